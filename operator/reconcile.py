@@ -1,0 +1,178 @@
+"""One reconcile pass for one ModelDeployment, and the bookkeeping that keeps passes few.
+
+A pass reads only the watch caches (kopf indexes), so it costs no API request unless something must
+change: children applied or deleted, or a status that differs from the one last written. Passes for
+one ModelDeployment never overlap; a burst of events while one runs collapses into one more pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+from meridian.operator.children import ANNOTATION_SPEC_HASH, LABEL_REGION, build_children
+from meridian.operator.kube import ApiError, KubeClient
+from meridian.operator.rollout import Plan, plan_changes
+from meridian.operator.settings import Settings
+from meridian.operator.spec import InvalidSpec, parse_spec
+from meridian.operator.status import (
+    compute_status,
+    invalid_spec_status,
+    region_status,
+    status_events,
+)
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # (namespace, ModelDeployment name)
+
+
+@dataclass(frozen=True)
+class Caches:
+    """The kopf indexes a pass reads: ModelDeployments, their children, their worker pods."""
+
+    fleets: Mapping[Key, Any]
+    owned: Mapping[Key, Any]
+    worker_pods: Mapping[Key, Any]
+
+
+@dataclass
+class _Pass:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    again: bool = False  # something changed while a pass was running
+    written: dict[str, Any] | None = None  # the status this process last wrote
+
+
+class Reconciler:
+    def __init__(self, settings: Settings, api: KubeClient) -> None:
+        self.settings = settings
+        self.api = api
+        self._passes: dict[Key, _Pass] = {}
+        self._retry_at: dict[Key, float] = {}
+        self._next_resync = time.monotonic() + settings.resync_seconds
+
+    async def reconcile(self, key: Key, caches: Caches) -> None:
+        """Run a pass now and let its errors out (for kopf's spec handlers to classify)."""
+        state = self._passes.setdefault(key, _Pass())
+        async with state.lock:
+            state.again = True
+            await self._drain(key, state, caches)
+
+    async def poke(self, key: Key, caches: Caches) -> None:
+        """Something about this ModelDeployment changed: run a pass unless one is running."""
+        state = self._passes.setdefault(key, _Pass())
+        state.again = True
+        if state.lock.locked():
+            return  # the running pass goes round once more
+        async with state.lock:
+            try:
+                await self._drain(key, state, caches)
+            except InvalidSpec:
+                pass  # reported in status; the next spec change tries again
+            except ApiError as error:
+                logger.warning("reconciling %s/%s failed, retrying: %s", *key, error)
+                self._retry_at[key] = time.monotonic() + self.settings.retry_seconds
+
+    async def resync_forever(self, caches: Caches) -> None:
+        """Retry failed passes, and compare every ModelDeployment with its children periodically."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            due = {key for key, at in self._retry_at.items() if at <= now}
+            if now >= self._next_resync:
+                due.update(caches.fleets.keys())
+                self._next_resync = now + self.settings.resync_seconds
+            for key in due:
+                self._retry_at.pop(key, None)
+                await self.poke(key, caches)
+
+    async def _drain(self, key: Key, state: _Pass, caches: Caches) -> None:
+        while state.again:
+            state.again = False
+            body = next(iter(caches.fleets.get(key, ())), None)
+            if body is None:  # deleted: its children go with it (owner references)
+                self._passes.pop(key, None)
+                return
+            await self._pass(body, state, caches)
+
+    async def _pass(self, body: dict[str, Any], state: _Pass, caches: Caches) -> None:
+        meta = body["metadata"]
+        key = (meta["namespace"], meta["name"])
+        previous = state.written or body.get("status") or {}
+        try:
+            fleet = parse_spec(meta["name"], meta["namespace"], body["spec"])
+        except InvalidSpec as error:
+            status = invalid_spec_status(meta["generation"], str(error), previous, _now())
+            await self._write_status(body, state, previous, status)
+            raise
+        desired = build_children(fleet)
+        kopf.adopt([child for children in desired.values() for child in children], owner=body)
+        observed = list(caches.owned.get(key, ()))
+        plan = plan_changes(fleet, meta["uid"], desired, observed)
+        await self._execute(body, plan, {(c["kind"], c["name"]): c for c in observed})
+        changing = {child["metadata"]["labels"].get(LABEL_REGION) for child in plan.apply}
+        pods = list(caches.worker_pods.get(key, ()))
+        regions = [
+            region_status(
+                fleet,
+                region,
+                observed,
+                pods,
+                changing=region.name in changing,
+                waiting=region.name in plan.waiting,
+            )
+            for region in fleet.regions
+        ]
+        status = compute_status(fleet, meta["generation"], regions, previous, _now())
+        await self._write_status(body, state, previous, status)
+
+    async def _execute(self, body: dict[str, Any], plan: Plan, seen: dict[Any, Any]) -> None:
+        for child in plan.apply:
+            name, kind = child["metadata"]["name"], child["kind"]
+            await self.api.apply(child, self.settings.field_manager)
+            current = seen.get((kind, name))
+            if current is None:
+                reason, verb = "Created", "created"
+            elif current["annotations"].get(ANNOTATION_SPEC_HASH) == _spec_hash(child):
+                reason, verb = "Restored", "restored the operator's settings of"
+            else:
+                reason, verb = "Updated", "updated"
+            kopf.event(body, type="Normal", reason=reason, message=f"{verb} {kind} {name}")
+        for child in plan.delete:
+            meta = body["metadata"]
+            await self.api.delete(
+                child["apiVersion"], child["kind"], meta["namespace"], child["name"]
+            )
+            message = f"deleted {child['kind']} {child['name']} (region {child['region']} removed)"
+            kopf.event(body, type="Normal", reason="Deleted", message=message)
+
+    async def _write_status(
+        self,
+        body: dict[str, Any],
+        state: _Pass,
+        previous: Mapping[str, Any],
+        status: dict[str, Any],
+    ) -> None:
+        if status == previous:
+            return
+        meta = body["metadata"]
+        await self.api.patch_status(
+            body["apiVersion"], body["kind"], meta["namespace"], meta["name"], status
+        )
+        state.written = status
+        for type_, reason, message in status_events(previous, status):
+            kopf.event(body, type=type_, reason=reason, message=message)
+
+
+def _spec_hash(child: Mapping[str, Any]) -> str | None:
+    return child["metadata"]["annotations"].get(ANNOTATION_SPEC_HASH)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
