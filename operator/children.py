@@ -80,7 +80,7 @@ def build_engine_configmap(fleet: Fleet, region: Region) -> dict[str, Any]:
     """Engine settings as environment variables; the worker's flags refer to them as $(NAME)."""
     engine, model = region.engine, fleet.model
     data = {
-        "MERIDIAN_MODEL": model_path(fleet.model.source),
+        "MERIDIAN_MODEL": model_path(model.name, model.source),
         "MERIDIAN_MODEL_NAME": model.name,
         "MERIDIAN_MODEL_FORMAT": model.format,
         "MERIDIAN_QUANTIZATION": model.quantization,
@@ -253,7 +253,7 @@ def build_worker_container(
         env.extend(_distributed_env(fleet, region, group))
         ports.append({"name": "dist", "containerPort": DIST_PORT})
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
-    if fleet.model.source.startswith("pvc://"):
+    if (fleet.model.source or "").startswith("pvc://"):
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
     return {
         "name": "worker",
@@ -289,8 +289,10 @@ def worker_args(config_data: dict[str, str], region: Region) -> list[str]:
     return args + list(region.engine.extra_args)
 
 
-def model_path(source: str) -> str:
-    """Where the worker finds the weights: a path in the pod, or the hf:// URI it downloads."""
+def model_path(name: str, source: str | None) -> str:
+    """What `--model` says: a bundled model's name, a path in the pod, or the hf:// URI to fetch."""
+    if source is None:
+        return name
     if source.startswith("file://"):
         return source.removeprefix("file://")
     if source.startswith("pvc://"):
@@ -323,10 +325,10 @@ def _resources(region: Region) -> dict[str, dict[str, str]]:
     return {key: value for key, value in (("requests", requests), ("limits", limits)) if value}
 
 
-def _volumes(source: str) -> list[dict[str, Any]]:
+def _volumes(source: str | None) -> list[dict[str, Any]]:
     # torch and NCCL share tensors between processes through /dev/shm; the default 64Mi is too small.
     volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
-    if source.startswith("pvc://"):
+    if source and source.startswith("pvc://"):
         claim = source.removeprefix("pvc://").partition("/")[0]
         volumes.append(
             {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}

@@ -11,7 +11,7 @@ import asyncio
 import datetime
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,9 +50,15 @@ class _Pass:
 
 
 class Reconciler:
-    def __init__(self, settings: Settings, api: KubeClient) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        api: KubeClient,
+        post_event: Callable[..., None] = kopf.event,
+    ) -> None:
         self.settings = settings
         self.api = api
+        self.post_event = post_event  # called as kopf.event(body, type=, reason=, message=)
         self._passes: dict[Key, _Pass] = {}
         self._retry_at: dict[Key, float] = {}
         self._next_resync = time.monotonic() + settings.resync_seconds
@@ -143,14 +149,14 @@ class Reconciler:
                 reason, verb = "Restored", "restored the operator's settings of"
             else:
                 reason, verb = "Updated", "updated"
-            kopf.event(body, type="Normal", reason=reason, message=f"{verb} {kind} {name}")
+            self.post_event(body, type="Normal", reason=reason, message=f"{verb} {kind} {name}")
         for child in plan.delete:
             meta = body["metadata"]
             await self.api.delete(
                 child["apiVersion"], child["kind"], meta["namespace"], child["name"]
             )
             message = f"deleted {child['kind']} {child['name']} (region {child['region']} removed)"
-            kopf.event(body, type="Normal", reason="Deleted", message=message)
+            self.post_event(body, type="Normal", reason="Deleted", message=message)
 
     async def _write_status(
         self,
@@ -167,7 +173,7 @@ class Reconciler:
         )
         state.written = status
         for type_, reason, message in status_events(previous, status):
-            kopf.event(body, type=type_, reason=reason, message=message)
+            self.post_event(body, type=type_, reason=reason, message=message)
 
 
 def _spec_hash(child: Mapping[str, Any]) -> str | None:

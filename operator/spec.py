@@ -59,7 +59,7 @@ class InvalidSpec(ValueError):
 @dataclass(frozen=True)
 class Model:
     name: str
-    source: str
+    source: str | None = None  # None: the worker resolves `name` itself (a bundled model)
     format: str = "gguf"
     quantization: str = "none"
     dtype: str = "auto"
@@ -133,7 +133,7 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> Fleet:
         namespace=namespace,
         model=Model(
             name=model["name"],
-            source=model["source"],
+            source=model.get("source"),
             format=model.get("format", "gguf"),
             quantization=model.get("quantization", "none"),
             dtype=model.get("dtype", "auto"),
