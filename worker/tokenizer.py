@@ -1,0 +1,186 @@
+"""Text <-> token ids, and chat prompts rendered with the model's own template.
+
+Built with the `tokenizers` library: from a GGUF file's vocabulary, merges and token types, or from
+an HF folder's `tokenizer.json`. Chat templates are rendered with jinja2 the way Hugging Face does.
+"""
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as FastTokenizer
+
+from meridian.errors import UserError
+
+# GGUF token types (llama.cpp's llama_token_type)
+_CONTROL, _USER_DEFINED = 3, 4
+
+# Pre-tokenizer splits for `tokenizer.ggml.pre` values whose merges were learned on a split other
+# than GPT-2's; anything unlisted uses GPT-2's (ByteLevel's built-in regex).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT}
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        fast: FastTokenizer,
+        eos_token_ids: list[int],
+        bos_token_id: int | None,
+        add_bos: bool,
+        chat_template: str | None,
+    ):
+        self.fast = fast
+        self.eos_token_ids = eos_token_ids
+        self.bos_token_id = bos_token_id
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        self.vocab_size = fast.get_vocab_size(with_added_tokens=True)
+        added = fast.get_added_tokens_decoder()
+        self.special_token_ids = frozenset(i for i, tok in added.items() if tok.special)
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise UserError(
+                f"GGUF tokenizer type {kind!r} is not supported (supported: 'gpt2' byte-level BPE)"
+            )
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False)
+        fast = FastTokenizer(bpe)
+        split = _PRE_SPLITS.get(meta.get("tokenizer.ggml.pre", ""))
+        if split:
+            fast.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
+        else:
+            fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        fast.decoder = decoders.ByteLevel()
+        # Control tokens (`<|im_start|>`) must match whole wherever they appear in text. A control
+        # token spelled outside the byte alphabet is a converter mislabel and is left alone.
+        fast.add_special_tokens(
+            [
+                AddedToken(tok, special=True, normalized=False)
+                for tok, kind in zip(tokens, types, strict=True)
+                if kind == _CONTROL and set(tok) <= alphabet
+            ]
+        )
+        fast.add_tokens(
+            [
+                AddedToken(tok, special=False, normalized=False)
+                for tok, kind in zip(tokens, types, strict=True)
+                if kind == _USER_DEFINED
+            ]
+        )
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        bos = meta.get("tokenizer.ggml.bos_token_id")
+        return cls(
+            fast,
+            eos_token_ids=[int(eos)] if eos is not None else [],
+            bos_token_id=int(bos) if bos is not None else None,
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=meta.get("tokenizer.chat_template"),
+        )
+
+    @classmethod
+    def from_hf_folder(cls, folder: Path, model_eos: list[int]) -> "Tokenizer":
+        path = folder / "tokenizer.json"
+        if not path.exists():
+            raise UserError(
+                f"{folder} has no tokenizer.json; Meridian needs the fast tokenizer file"
+            )
+        fast = FastTokenizer.from_file(str(path))
+        cfg_path = folder / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        template = cfg.get("chat_template")
+        template_file = folder / "chat_template.jinja"
+        if template is None and template_file.exists():
+            template = template_file.read_text()
+        eos = list(model_eos)
+        eos_token = _token_text(cfg.get("eos_token"))
+        if eos_token is not None and fast.token_to_id(eos_token) is not None:
+            eos.append(fast.token_to_id(eos_token))
+        bos_token = _token_text(cfg.get("bos_token"))
+        bos = fast.token_to_id(bos_token) if bos_token else None
+        return cls(
+            fast,
+            eos_token_ids=sorted(set(eos)),
+            bos_token_id=bos,
+            # tokenizer.json's post-processor already adds BOS where the model wants it.
+            add_bos=False,
+            chat_template=template,
+        )
+
+    # ---- use ----------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.fast.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.fast.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages`, rendered by the model's own template."""
+        if not self.chat_template:
+            raise UserError("this model has no chat template; send a plain prompt instead")
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise UserError("each chat message needs a 'role' and a 'content'")
+        special = {
+            name: self.fast.id_to_token(i) if i is not None else ""
+            for name, i in (
+                ("bos_token", self.bos_token_id),
+                ("eos_token", self.eos_token_ids[0] if self.eos_token_ids else None),
+            )
+        }
+        try:
+            return _compile(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **special
+            )
+        except jinja2.TemplateError as e:
+            raise UserError(f"the model's chat template failed on these messages: {e}") from e
+
+
+def _token_text(token) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _raise(message: str):
+    raise jinja2.TemplateError(message)
+
+
+_TEMPLATES: dict[str, jinja2.Template] = {}
+
+
+def _compile(source: str) -> jinja2.Template:
+    """Compile once, in the sandboxed environment and with the helpers HF templates expect."""
+    if source not in _TEMPLATES:
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+            x, indent=indent, ensure_ascii=ensure_ascii
+        )
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        _TEMPLATES[source] = env.from_string(source)
+    return _TEMPLATES[source]
