@@ -56,10 +56,13 @@ class Tokenizer:
             )
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
         types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
         alphabet = set(pre_tokenizers.ByteLevel.alphabet())
         vocab = {tok: i for i, tok in enumerate(tokens)}
-        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False)
+        try:
+            bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False)
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            raise UserError(f"the GGUF file's tokenizer is inconsistent: {e}") from e
         fast = FastTokenizer(bpe)
         split = _PRE_SPLITS.get(meta.get("tokenizer.ggml.pre", ""))
         if split:

@@ -7,6 +7,7 @@ import pathlib
 from typing import Any
 
 import yaml
+
 from meridian.operator.rollout import observe_child
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

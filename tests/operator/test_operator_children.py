@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import re
 
+from modeldeployments import model_deployment
+
 from meridian.operator.children import (
     ANNOTATION_CONFIG_HASH,
     ANNOTATION_SPEC_HASH,
@@ -14,7 +16,6 @@ from meridian.operator.children import (
     build_children,
 )
 from meridian.operator.spec import WORKER_PORT, parse_spec
-from modeldeployments import model_deployment
 
 
 def children(spec, name="chat"):

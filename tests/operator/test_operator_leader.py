@@ -6,6 +6,7 @@ import asyncio
 import copy
 
 import pytest
+
 from meridian.operator import leader
 from meridian.operator.kube import ApiError
 from meridian.operator.leader import Lease

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from modeldeployments import model_deployment, served
+
 from meridian.operator.kube import ApiError
 from meridian.operator.reconcile import Caches, Reconciler
 from meridian.operator.settings import Settings
 from meridian.operator.spec import InvalidSpec
-from modeldeployments import model_deployment, served
 
 KEY = ("serving", "chat")
 

@@ -2,10 +2,11 @@ from __future__ import annotations
 
 import copy
 
+from modeldeployments import model_deployment, served
+
 from meridian.operator.children import build_children
 from meridian.operator.rollout import contains, plan_changes
 from meridian.operator.spec import parse_spec
-from modeldeployments import model_deployment, served
 
 UID = "uid-1"
 

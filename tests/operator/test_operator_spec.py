@@ -5,8 +5,9 @@ from decimal import Decimal
 
 import pytest
 import yaml
-from meridian.operator.spec import Engine, InvalidSpec, Resources, parse_spec, quantity
 from modeldeployments import ROOT, SCHEMA, model_deployment
+
+from meridian.operator.spec import Engine, InvalidSpec, Resources, parse_spec, quantity
 
 
 def parse(spec, name="chat"):

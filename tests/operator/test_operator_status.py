@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from modeldeployments import model_deployment, served
+
 from meridian.operator.children import build_children
 from meridian.operator.spec import parse_spec
 from meridian.operator.status import (
@@ -9,7 +11,6 @@ from meridian.operator.status import (
     region_status,
     status_events,
 )
-from modeldeployments import model_deployment, served
 
 NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 UNSCHEDULABLE = (
