@@ -5,6 +5,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from meridian.worker.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
@@ -24,6 +25,8 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stats = engine.stats()
+        self._prefix_hashes = tuple(engine.block_manager.cached_block_hashes())
+        self._prefix_hashes_at = time.monotonic()
         self._stopping = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -36,6 +39,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """A snapshot taken after the latest step (safe from any thread)."""
         return self._stats
+
+    def prefix_cache_hashes(self) -> tuple[int, ...]:
+        """Hashes of the blocks the prefix cache holds, as of a recent step (safe from any thread)."""
+        return self._prefix_hashes
 
     @property
     def num_unfinished(self) -> int:
@@ -72,6 +79,7 @@ class AsyncEngine:
                 self._send(("abort", request_id))
 
     def abort(self, request_id: str) -> None:
+        """Stop a request; its stream ends with a finish_reason "abort" output."""
         self._send(("abort", request_id))
 
     def shutdown(self) -> None:
@@ -93,6 +101,7 @@ class AsyncEngine:
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
                 self._stats = self.engine.stats()
+                self._publish_prefix_hashes()
         except BaseException as e:
             log.exception("engine loop failed")
             self.error = e
@@ -109,7 +118,16 @@ class AsyncEngine:
                 if arg.request_id in self._streams:  # not cancelled while queued
                     self.engine.add_request(arg.request_id, arg)
             else:
-                self.engine.abort(arg)
+                out = self.engine.abort(arg)
+                if out is not None:  # a caller still reading gets the end of its stream
+                    self._deliver(arg, out)
+
+    def _publish_prefix_hashes(self) -> None:
+        # Copying costs O(cached blocks); load reports need it a few times a second, not every step.
+        now = time.monotonic()
+        if now - self._prefix_hashes_at >= 0.1 or not self.engine.has_unfinished():
+            self._prefix_hashes = tuple(self.engine.block_manager.cached_block_hashes())
+            self._prefix_hashes_at = now
 
     def _deliver(self, request_id: str, item) -> None:
         target = self._streams.get(request_id)

@@ -2,6 +2,7 @@
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +59,8 @@ class RequestOutput:
     cached_tokens: int = 0
     # per new token: (token id, logprob, [(token id, logprob)] top-N); None if not requested
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    # seconds from arrival to the first step that ran it; None while it has only waited
+    queue_time: float | None = None
 
 
 @dataclass
@@ -157,13 +160,14 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its KV blocks; False if it is not known (finished)."""
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks. Returns its last output (finish_reason
+        "abort", no new tokens), or None if it is not known (already finished)."""
         req = self._requests.pop(request_id, None)
         if req is None:
-            return False
+            return None
         self.scheduler.finish(req.seq, "abort")
-        return True
+        return self._output(req, [], "abort", None)
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -174,6 +178,10 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        now = time.monotonic()
+        for seq, _ in batch.prefills:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
         sampled, result = self.runner.execute(batch)
         self.scheduler.on_step_done(batch)
         self._count(batch)
@@ -212,6 +220,9 @@ class LLMEngine:
             completion_tokens=seq.num_output_tokens,
             cached_tokens=seq.num_cached_tokens,
             logprobs=logprobs,
+            queue_time=None
+            if seq.first_scheduled_time is None
+            else seq.first_scheduled_time - seq.arrival_time,
         )
 
     def _count(self, batch) -> None:

@@ -1,5 +1,6 @@
 """One request's tokens and progress through the engine (plain Python: no torch)."""
 
+import time
 from enum import Enum, auto
 
 from meridian.worker.sampling_params import SamplingParams
@@ -34,6 +35,8 @@ class Sequence:
         self.admitted_once = False
         self.finish_reason: str | None = None
         self.sampler_state = None  # the model runner's per-request RNG, kept across preemption
+        self.arrival_time = time.monotonic()  # seconds; queue time = first_scheduled_time - this
+        self.first_scheduled_time: float | None = None
 
     @property
     def num_tokens(self) -> int:
