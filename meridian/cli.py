@@ -12,6 +12,9 @@ from meridian.errors import UserError
 COMMANDS = {
     "generate": ("meridian.worker.generate", "generate text offline (one prompt or a JSONL file)"),
     "operator": ("meridian.operator.cli", "run the Kubernetes operator for ModelDeployments"),
+    "worker": ("meridian.worker.server", "serve one model replica over gRPC (meridian.v1)"),
+    "gateway": ("meridian.gateway.server", "route OpenAI-compatible HTTP and gRPC to workers"),
+    "serve": ("meridian.serve", "run local workers and a gateway with the bundled model"),
 }
 
 

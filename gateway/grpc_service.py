@@ -1,0 +1,90 @@
+"""`meridian.v1.Inference` on the gateway: Generate is proxied to a worker chosen by the router,
+Models lists what the serving workers serve, and LoadReport sums the region's load (what a peer
+gateway needs to decide whether to forward here)."""
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+
+from meridian import metrics
+from meridian.api.v1 import pb, pb_grpc
+from meridian.gateway.dispatch import FINISH_REASONS, Dispatcher, GatewayError
+from meridian.gateway.routing import DRAINING, SERVING, STARTING, WorkerLoad
+from meridian.gateway.workers import WorkerPool
+
+DEFAULT_REPORT_INTERVAL = 0.5  # seconds
+STATES = {SERVING: pb.SERVING_STATE_SERVING, STARTING: pb.SERVING_STATE_STARTING}
+STATES[DRAINING] = pb.SERVING_STATE_DRAINING
+
+
+class GatewayInference(pb_grpc.InferenceServicer):
+    def __init__(
+        self, dispatcher: Dispatcher, pool: WorkerPool, request_metrics: metrics.RequestMetrics
+    ):
+        self.dispatcher, self.pool, self.metrics = dispatcher, pool, request_metrics
+        self.draining = False
+
+    async def Generate(self, request, context) -> AsyncIterator:
+        if not request.model and len(models := self.pool.models()) == 1:
+            request.model = models[0].id
+        request.request_id = request.request_id or uuid.uuid4().hex
+        timer = self.metrics.start(request.model or "unknown")
+        status, reason = metrics.CANCELLED, None
+        try:
+            stream = await self.dispatcher.open(request)
+            async for r in stream:
+                timer.tokens(len(r.token_ids), r.usage.prompt_tokens)
+                reason = r.finish_reason or reason
+                yield r
+            status = metrics.OK
+        except GatewayError as e:
+            status = e.metric_status
+            context.set_trailing_metadata(e.grpc_trailers())
+            await context.abort(e.grpc_code, e.message)
+        finally:
+            timer.finish(status, FINISH_REASONS.get(reason))
+
+    async def Models(self, request, context):
+        return pb.ModelsResponse(models=self.pool.models())
+
+    async def LoadReport(self, request, context) -> AsyncIterator:
+        interval = min(max(request.interval_seconds or DEFAULT_REPORT_INTERVAL, 0.05), 60.0)
+        sent_hashes = None
+        while not self.draining:  # ends the stream, so that a draining gateway can stop
+            load = region_load(self.pool.snapshot(), self.draining)
+            if request.include_prefix_cache:
+                hashes = frozenset().union(*(w.prefix_hashes for w in self.pool.snapshot()))
+                if hashes != sent_hashes:
+                    load.prefix_cache.block_hashes.extend(sorted(hashes))
+                    sent_hashes = hashes
+            yield load
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.pool.changed(), interval)
+
+
+def region_load(workers: list[WorkerLoad], draining: bool = False):
+    """The sum of the workers' loads, as one report (pb.Load). Only workers that are serving or
+    finishing requests count; the state is the best of theirs."""
+    live = [w for w in workers if w.state in (SERVING, DRAINING)]
+    serving = sum(w.state == SERVING for w in workers)
+    if draining:
+        state = pb.SERVING_STATE_DRAINING
+    elif serving:
+        state = pb.SERVING_STATE_SERVING
+    elif any(w.state == STARTING for w in workers):
+        state = pb.SERVING_STATE_STARTING
+    else:
+        state = pb.SERVING_STATE_UNSPECIFIED
+    return pb.Load(
+        state=state,
+        running=sum(w.running for w in live),
+        waiting=sum(w.waiting for w in live),
+        max_num_seqs=sum(w.max_num_seqs for w in workers if w.state == SERVING),
+        kv_blocks_used=sum(w.kv_blocks_used for w in live),
+        kv_blocks_total=sum(w.kv_blocks_total for w in live),
+        block_size=max((w.block_size for w in live), default=0),
+        generation_tokens_per_second=sum(w.tokens_per_second for w in live),
+        requests_finished_per_second=sum(w.requests_per_second for w in live),
+        serving_replicas=serving,
+    )

@@ -1,0 +1,226 @@
+"""The OpenAI-compatible HTTP front end (FastAPI on uvicorn; OpenAPI document at /openapi.json).
+
+Streaming answers are Server-Sent Events ending in `data: [DONE]`. The HTTP status is decided before
+the first byte: the first worker response is awaited (with retries on other workers) before the
+response starts, so routing and validation failures get a real status code rather than an error
+event inside a 200 stream. A client that disconnects cancels the worker call, streaming or not.
+"""
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException
+
+from meridian import __version__, metrics
+from meridian.gateway.dispatch import Dispatcher, GatewayError, WorkerStream, collect
+from meridian.gateway.openai_protocol import (
+    ChatCompletionRequest,
+    ChatFormat,
+    CompletionFormat,
+    CompletionRequest,
+    finish_reason,
+)
+from meridian.gateway.workers import WorkerPool
+
+MAX_BODY_BYTES = 32 * 2**20
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None):
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+def create_app(
+    dispatcher: Dispatcher,
+    pool: WorkerPool,
+    registry: CollectorRegistry,
+    request_metrics: metrics.RequestMetrics,
+) -> FastAPI:
+    app = FastAPI(
+        title="Meridian",
+        version=__version__,
+        summary="OpenAI-compatible API of a Meridian gateway.",
+        max_body_size=MAX_BODY_BYTES,
+    )
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        body = exc.body if isinstance(exc.body, dict) else {}
+        model = body.get("model") if isinstance(body.get("model"), str) else "unknown"
+        request_metrics.start(model).finish(metrics.INVALID)
+        message, param = _describe(exc.errors())
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+        return JSONResponse(
+            error_body(exc.message, exc.type, exc.param, exc.code),
+            status_code=exc.http_status,
+            headers=headers,
+        )
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers
+        )
+
+    async def generate(request: Request, body, fmt) -> Response:
+        timer = request_metrics.start(body.model)
+        try:
+            stream = await _until_disconnected(request, dispatcher.open(body.to_pb(fmt.base["id"])))
+        except GatewayError as e:
+            timer.finish(e.metric_status)
+            if e.code == "context_length_exceeded":
+                e.param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+            raise
+        except ClientDisconnected:
+            timer.finish(metrics.CANCELLED)
+            return Response(status_code=499)  # nobody is listening; nginx's "client closed"
+        except asyncio.CancelledError:
+            timer.finish(metrics.CANCELLED)
+            raise
+        if body.stream:
+            events = _sse(stream, fmt, body.include_usage, timer)
+            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        status, reason = metrics.CANCELLED, None
+        try:
+            text, logprobs, usage, reason = await _until_disconnected(
+                request, collect(_counted(stream, timer))
+            )
+            status = metrics.OK
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except GatewayError as e:
+            status = e.metric_status
+            raise
+        finally:
+            stream.close()
+            timer.finish(status, finish_reason(reason) if reason else None)
+        return JSONResponse(fmt.response(text, logprobs, usage, reason))
+
+    @app.post("/v1/chat/completions", summary="Create a chat completion")
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        fmt = ChatFormat(
+            f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, body.logprobs
+        )
+        return await generate(request, body, fmt)
+
+    @app.post("/v1/completions", summary="Create a text completion")
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        created, logprobs = int(time.time()), body.logprobs is not None
+        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", created, body.model, logprobs)
+        return await generate(request, body, fmt)
+
+    @app.get("/v1/models", summary="List the models the workers serve")
+    async def models() -> dict:
+        data = [
+            {
+                "id": m.id,
+                "object": "model",
+                "created": m.created,
+                "owned_by": "meridian",
+                "max_model_len": m.max_model_len,
+            }
+            for m in pool.models()
+        ]
+        return {"object": "list", "data": data}
+
+    @app.get("/health", summary="200 when at least one worker is serving, else 503")
+    async def health() -> JSONResponse:
+        serving = pool.serving()
+        body = {"status": "ok" if serving else "unavailable", "workers_serving": serving}
+        return JSONResponse(body, status_code=200 if serving else 503)
+
+    @app.get("/metrics", summary="Prometheus metrics", include_in_schema=False)
+    async def prometheus() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _sse(stream: WorkerStream, fmt, include_usage: bool, timer: metrics.RequestTimer):
+    status, reason, usage = metrics.CANCELLED, None, None
+    extra = {"usage": None} if include_usage else {}
+    try:
+        first = fmt.first_chunk()
+        if first is not None:
+            yield _event({**first, **extra})
+        async for r in _counted(stream, timer):
+            usage, reason = r.usage, r.finish_reason or reason
+            if r.text or r.finish_reason or (fmt.logprobs and r.logprobs):
+                yield _event({**fmt.delta_chunk(r), **extra})
+        if include_usage and usage is not None:
+            yield _event(fmt.usage_chunk(usage))
+        yield "data: [DONE]\n\n"
+        status = metrics.OK
+    except GatewayError as e:  # the worker failed after the stream began: too late to retry
+        status = e.metric_status
+        yield _event(error_body(e.message, e.type, e.param, e.code))
+        yield "data: [DONE]\n\n"
+    finally:
+        stream.close()
+        timer.finish(status, finish_reason(reason) if reason else None)
+
+
+async def _counted(stream: WorkerStream, timer: metrics.RequestTimer):
+    async for r in stream:
+        timer.tokens(len(r.token_ids), r.usage.prompt_tokens)
+        yield r
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _until_disconnected(request: Request, work):
+    """Run `work` unless the client disconnects first (then cancel it and raise
+    ClientDisconnected). Starlette cancels a streaming body on disconnect by itself, but not an
+    endpoint that is still computing its response."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ClientDisconnected()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _describe(errors) -> tuple[str, str | None]:
+    """One line from pydantic's errors, naming the field (OpenAI's `param`) when there is one."""
+    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}", None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # Union members add their type names to the path (e.g. stop.str); keep the request's own names.
+    loc = [p for p in loc if not p.startswith(("str", "list[", "function-after"))]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":
+        message = "unknown or unsupported parameter"
+    if param:
+        message = f"{param}: {message}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return message, param
