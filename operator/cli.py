@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 import kopf
 from aiohttp import web
+
 from meridian.operator import handlers
 from meridian.operator.kube import KubeClient
 from meridian.operator.leader import Lease
@@ -71,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if not settings.verbose:
-        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+        # kopf logs every handler call at INFO: one line per pod event in a busy fleet.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     return asyncio.run(serve(settings))
 
 

@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 import kopf
+
 from meridian.operator.children import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGER
 from meridian.operator.kube import ApiError, connection_info
 from meridian.operator.reconcile import Caches
@@ -38,6 +39,9 @@ def kopf_settings(settings: Settings) -> kopf.OperatorSettings:
         prefix=GROUP, key="last-handled-spec"
     )
     kopf_settings.posting.level = logging.INFO
+    # An idle watch (no StatefulSets, say) may see no bookmark for over a minute; kopf's default of
+    # 70 s would then reconnect it every 70 s, which is polling by another name.
+    kopf_settings.watching.inactivity_timeout = 300
     # The API server filters children and pods, so the operator never sees unrelated objects.
     selector = f"{LABEL_MANAGED_BY}={MANAGER}"
     for api_version, plural in (*CHILD_RESOURCES, ("v1", "pods")):
@@ -70,6 +74,7 @@ async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
 @kopf.index(GROUP, VERSION, PLURAL)
 def fleets(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
     meta = body.metadata
+    plain = observe_child(body)
     fleet = {
         "apiVersion": body["apiVersion"],
         "kind": body["kind"],
@@ -80,8 +85,8 @@ def fleets(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, An
             "generation": meta.get("generation", 0),
             "labels": dict(meta.labels),
         },
-        "spec": observe_child(body)["spec"],
-        "status": observe_child(body)["status"] or {},
+        "spec": plain["spec"],
+        "status": plain["status"] or {},
     }
     return {(namespace, name): fleet}
 

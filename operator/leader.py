@@ -29,6 +29,7 @@ class Lease:
     # The last record seen from another holder, and when (monotonic) this process first saw it.
     _seen: tuple[Any, ...] = field(default=(), repr=False)
     _seen_at: float = field(default=0.0, repr=False)
+    _held: dict[str, Any] | None = field(default=None, repr=False)  # our last write, while leading
 
     @property
     def path(self) -> str:
@@ -37,7 +38,14 @@ class Lease:
     async def acquire(self) -> None:
         """Wait until this process holds the Lease."""
         waiting_logged = False
-        while not await self.try_acquire():
+        while True:
+            try:
+                if await self.try_acquire():
+                    break
+            except ApiError as error:
+                logger.warning(
+                    "could not read the Lease %s/%s: %s", self.namespace, self.name, error
+                )
             if not waiting_logged:
                 logger.info("waiting to lead: Lease %s/%s is held", self.namespace, self.name)
                 waiting_logged = True
@@ -63,6 +71,7 @@ class Lease:
 
     async def release(self) -> None:
         """Hand over at once on a clean shutdown instead of making standbys wait out the Lease."""
+        self._held = None
         try:
             lease = await self.api.request("GET", self.path)
             if lease.get("spec", {}).get("holderIdentity") == self.identity:
@@ -73,6 +82,8 @@ class Lease:
 
     async def try_acquire(self) -> bool:
         now = _micro_time()
+        if self._held is not None and await self._renew(self._held, now):
+            return True
         try:
             lease = await self.api.request("GET", self.path)
         except ApiError as error:
@@ -89,11 +100,23 @@ class Lease:
         spec.update(holderIdentity=self.identity, leaseDurationSeconds=int(self.seconds))
         spec["renewTime"] = now
         try:
-            await self.api.request("PUT", self.path, body=lease)  # resourceVersion guards the race
+            self._held = await self.api.request("PUT", self.path, body=lease)
         except ApiError as error:
-            if error.status == 409:
+            if error.status == 409:  # someone else wrote first: resourceVersion guards the race
                 return False
             raise
+        return True
+
+    async def _renew(self, lease: dict[str, Any], now: str) -> bool:
+        """One PUT on top of this holder's own last write; a conflict means look again (GET)."""
+        self._held = None
+        lease["spec"]["renewTime"] = now
+        try:
+            self._held = await self.api.request("PUT", self.path, body=lease)
+        except ApiError as error:
+            if error.status != 409:
+                raise
+            return False
         return True
 
     def _expired(self, spec: dict[str, Any]) -> bool:
@@ -117,7 +140,7 @@ class Lease:
             },
         }
         try:
-            await self.api.request("POST", self.path.rsplit("/", 1)[0], body=body)
+            self._held = await self.api.request("POST", self.path.rsplit("/", 1)[0], body=body)
         except ApiError as error:
             if error.status == 409:
                 return False

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+
 from meridian.operator.children import ANNOTATION_SPEC_HASH, LABEL_REGION, build_children
 from meridian.operator.kube import ApiError, KubeClient
 from meridian.operator.rollout import Plan, plan_changes
@@ -139,24 +140,46 @@ class Reconciler:
         await self._write_status(body, state, previous, status)
 
     async def _execute(self, body: dict[str, Any], plan: Plan, seen: dict[Any, Any]) -> None:
+        """Apply region by region, all regions at once; one Event per region and kind of change."""
+        by_region: dict[str, list[dict[str, Any]]] = {}
         for child in plan.apply:
-            name, kind = child["metadata"]["name"], child["kind"]
-            await self.api.apply(child, self.settings.field_manager)
-            current = seen.get((kind, name))
-            if current is None:
-                reason, verb = "Created", "created"
-            elif current["annotations"].get(ANNOTATION_SPEC_HASH) == _spec_hash(child):
-                reason, verb = "Restored", "restored the operator's settings of"
-            else:
-                reason, verb = "Updated", "updated"
-            self.post_event(body, type="Normal", reason=reason, message=f"{verb} {kind} {name}")
+            by_region.setdefault(child["metadata"]["labels"].get(LABEL_REGION), []).append(child)
+        results = await asyncio.gather(
+            *(
+                self._apply_region(body, region, children, seen)
+                for region, children in by_region.items()
+            ),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        meta = body["metadata"]
+        gone: dict[str, list[str]] = {}
         for child in plan.delete:
-            meta = body["metadata"]
             await self.api.delete(
                 child["apiVersion"], child["kind"], meta["namespace"], child["name"]
             )
-            message = f"deleted {child['kind']} {child['name']} (region {child['region']} removed)"
+            gone.setdefault(child["region"], []).append(f"{child['kind']} {child['name']}")
+        for region, names in gone.items():
+            message = f"region {region} removed: deleted {', '.join(names)}"
             self.post_event(body, type="Normal", reason="Deleted", message=message)
+
+    async def _apply_region(
+        self,
+        body: dict[str, Any],
+        region: str,
+        children: list[dict[str, Any]],
+        seen: dict[Any, Any],
+    ) -> None:
+        done: dict[str, list[str]] = {}
+        for child in children:  # in build order: config and Services before workers
+            await self.api.apply(child, self.settings.field_manager)
+            reason = _change(child, seen.get((child["kind"], child["metadata"]["name"])))
+            done.setdefault(reason, []).append(f"{child['kind']} {child['metadata']['name']}")
+        for reason, names in done.items():
+            message = f"region {region}: {CHANGE_VERBS[reason]} {', '.join(names)}"
+            self.post_event(body, type="Normal", reason=reason, message=message)
 
     async def _write_status(
         self,
@@ -176,8 +199,19 @@ class Reconciler:
             self.post_event(body, type=type_, reason=reason, message=message)
 
 
-def _spec_hash(child: Mapping[str, Any]) -> str | None:
-    return child["metadata"]["annotations"].get(ANNOTATION_SPEC_HASH)
+CHANGE_VERBS = {
+    "Created": "created",
+    "Updated": "updated",
+    "Restored": "put back the operator's settings of",
+}
+
+
+def _change(child: Mapping[str, Any], current: Mapping[str, Any] | None) -> str:
+    """Created, Updated (the spec changed it) or Restored (someone else had changed it)."""
+    if current is None:
+        return "Created"
+    ours = child["metadata"]["annotations"].get(ANNOTATION_SPEC_HASH)
+    return "Restored" if current["annotations"].get(ANNOTATION_SPEC_HASH) == ours else "Updated"
 
 
 def _now() -> str:

@@ -110,7 +110,8 @@ def test_three_regions_become_ready_with_pods_only_in_their_region(
     told = events(installed, namespace, name)
     reasons = {reason for reason, _ in told}
     assert {"Created", "RegionReady", "Ready"} <= reasons, told
-    assert ("Created", f"created Deployment {name}-ap-south") in told
+    created = f"region ap-south: created ConfigMap {name}-ap-south-engine, Service {name}-ap-south, Deployment {name}-ap-south"
+    assert ("Created", created) in told
     assert took < 60
 
 

@@ -16,9 +16,11 @@ class LeaseStore:
     def __init__(self) -> None:
         self.lease: dict | None = None
         self.version = 0
+        self.requests: list[str] = []
 
     async def request(self, method, path, *, body=None, **_):
         await asyncio.sleep(0)  # let concurrent callers interleave, as real requests do
+        self.requests.append(method)
         if method == "GET":
             if self.lease is None:
                 raise ApiError(404, "not found")
@@ -94,3 +96,24 @@ def test_two_replicas_racing_for_a_free_lease_get_one_winner(clock):
         return await asyncio.gather(a.try_acquire(), b.try_acquire())
 
     assert sorted(asyncio.run(race())) == [False, True]
+
+
+def test_the_leader_renews_with_one_request(clock):
+    store = LeaseStore()
+    a = lease(store, "a")
+    asyncio.run(a.try_acquire())
+    store.requests.clear()
+    for _ in range(3):
+        assert asyncio.run(a.try_acquire())
+    assert store.requests == ["PUT"] * 3
+
+
+def test_a_leader_whose_lease_was_taken_finds_out_on_renewal(clock):
+    store = LeaseStore()
+    a, b = lease(store, "a"), lease(store, "b")
+    asyncio.run(a.try_acquire())
+    assert not asyncio.run(b.try_acquire())
+    clock[0] += 20
+    assert asyncio.run(b.try_acquire())  # b saw no renewal for 20 s (a was paused)
+    assert store.lease["spec"]["holderIdentity"] == "b"
+    assert not asyncio.run(a.try_acquire())

@@ -93,7 +93,8 @@ def test_first_pass_creates_children_owned_by_the_deployment_and_reports_progres
         )
     ready = next(c for c in world.api.statuses[-1]["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "False"
-    assert ("Normal", "Created", "created Deployment chat-eu-west") in world.events
+    created = "region eu-west: created ConfigMap chat-eu-west-engine, Service chat-eu-west, Deployment chat-eu-west"
+    assert ("Normal", "Created", created) in world.events
 
 
 def test_once_settled_a_pass_makes_no_api_request(world):
@@ -135,3 +136,35 @@ def test_a_deleted_deployment_is_forgotten(world):
     world.fleets[KEY] = []
     assert world.reconcile() == []
     assert KEY not in world.reconciler._passes
+
+
+def test_an_edited_child_is_restored_and_the_event_says_so(world):
+    world.reconcile()
+    world.settle()
+    world.reconcile()
+    deployment = next(
+        c for c in world.owned[KEY] if c["name"] == "chat-us-east" and c["kind"] == "Deployment"
+    )
+    deployment["spec"]["replicas"] = 9
+    assert [c for c in world.reconcile() if c[0] == "apply"] == [
+        ("apply", "Deployment", "chat-us-east")
+    ]
+    restored = "region us-east: put back the operator's settings of Deployment chat-us-east"
+    assert ("Normal", "Restored", restored) in world.events
+
+
+def test_removing_a_region_deletes_its_children_and_says_so(world):
+    world.reconcile()
+    world.settle()
+    world.reconcile()
+    world.fleets[KEY][0]["spec"]["regions"].pop(1)
+    calls = world.reconcile()
+    assert sorted(c for c in calls if c[0] == "delete") == [
+        ("delete", "ConfigMap", "chat-eu-west-engine"),
+        ("delete", "Deployment", "chat-eu-west"),
+        ("delete", "Service", "chat-eu-west"),
+    ]
+    assert any(
+        e[1] == "Deleted" and e[2].startswith("region eu-west removed: deleted")
+        for e in world.events
+    )
