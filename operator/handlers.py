@@ -124,6 +124,8 @@ async def spec_changed(
     except InvalidSpec as error:
         raise kopf.PermanentError(f"the spec cannot be served: {error}") from error
     except ApiError as error:
+        if error.namespace_terminating:
+            return  # the ModelDeployment is about to go with its namespace
         if error.transient:
             raise kopf.TemporaryError(str(error), delay=memo.settings.retry_seconds) from error
         raise kopf.PermanentError(str(error)) from error

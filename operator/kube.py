@@ -33,10 +33,18 @@ TRANSIENT = {409, 429, 500, 502, 503, 504}
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, causes: tuple[str, ...] = ()) -> None:
         super().__init__(f"{status}: {message}")
         self.status = status
         self.message = message
+        self.causes = (
+            causes  # details.causes[].reason of the API's Status, e.g. NamespaceTerminating
+        )
+
+    @property
+    def namespace_terminating(self) -> bool:
+        """Nothing new can be made in a namespace being deleted; its objects are going anyway."""
+        return self.status == 403 and "NamespaceTerminating" in self.causes
 
     @property
     def transient(self) -> bool:
@@ -98,7 +106,7 @@ class KubeClient:
                         await self.close()  # the token may have been rotated: log in again
                         continue
                     if response.status >= 400:
-                        raise ApiError(response.status, _message(text))
+                        raise ApiError(response.status, *_message(text))
                     return json.loads(text) if text else {}
             except (aiohttp.ClientError, TimeoutError) as error:
                 raise ApiError(0, f"{type(error).__name__}: {error}") from error
@@ -142,8 +150,11 @@ class KubeClient:
         return self._session
 
 
-def _message(text: str) -> str:
+def _message(text: str) -> tuple[str, tuple[str, ...]]:
+    """The message and cause reasons of a Kubernetes Status body (or the raw text)."""
     try:
-        return json.loads(text).get("message", text)
+        status = json.loads(text)
+        causes = (status.get("details") or {}).get("causes") or []
+        return status.get("message", text), tuple(c.get("reason", "") for c in causes)
     except (ValueError, AttributeError):
-        return text
+        return text, ()

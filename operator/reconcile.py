@@ -62,6 +62,7 @@ class Reconciler:
         self.post_event = post_event  # called as kopf.event(body, type=, reason=, message=)
         self._passes: dict[Key, _Pass] = {}
         self._retry_at: dict[Key, float] = {}
+        self._terminating: set[str] = set()  # namespaces being deleted
         self._next_resync = time.monotonic() + settings.resync_seconds
 
     async def reconcile(self, key: Key, caches: Caches) -> None:
@@ -78,11 +79,16 @@ class Reconciler:
         if state.lock.locked():
             return  # the running pass goes round once more
         async with state.lock:
+            # Events come in bursts (a rollout moves many pods); let one pass answer the burst.
+            await asyncio.sleep(self.settings.settle_seconds)
             try:
                 await self._drain(key, state, caches)
             except InvalidSpec:
                 pass  # reported in status; the next spec change tries again
             except ApiError as error:
+                if error.namespace_terminating:
+                    self._terminating.add(key[0])
+                    return
                 logger.warning("reconciling %s/%s failed, retrying: %s", *key, error)
                 self._retry_at[key] = time.monotonic() + self.settings.retry_seconds
 
@@ -105,7 +111,11 @@ class Reconciler:
             body = next(iter(caches.fleets.get(key, ())), None)
             if body is None:  # deleted: its children go with it (owner references)
                 self._passes.pop(key, None)
+                if not any(ns == key[0] for ns, _ in caches.fleets):
+                    self._terminating.discard(key[0])
                 return
+            if key[0] in self._terminating:
+                return  # the namespace is being deleted, and everything in it
             await self._pass(body, state, caches)
 
     async def _pass(self, body: dict[str, Any], state: _Pass, caches: Caches) -> None:

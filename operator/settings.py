@@ -16,6 +16,8 @@ class Settings:
     liveness: str | None = None  # e.g. http://0.0.0.0:8080/healthz
     # Every ModelDeployment is compared with its children (in memory) this often, besides on events.
     resync_seconds: float = 300.0
+    # A pass started by a child's event waits this long, so a burst of events makes one pass.
+    settle_seconds: float = 0.5
     # A reconcile that failed on a transient API error is tried again after this long.
     retry_seconds: float = 5.0
     leader_election: bool = True
@@ -31,8 +33,10 @@ class Settings:
             raise ValueError(
                 "choose either namespaces to watch or all_namespaces, not both or neither"
             )
-        if self.resync_seconds <= 0 or self.retry_seconds <= 0:
-            raise ValueError("resync_seconds and retry_seconds must be positive")
+        if self.resync_seconds <= 0 or self.retry_seconds <= 0 or self.settle_seconds < 0:
+            raise ValueError(
+                "resync_seconds and retry_seconds must be positive, settle_seconds >= 0"
+            )
         if self.lease_seconds < 3:
             raise ValueError(
                 "lease_seconds must be at least 3 (the leader renews every third of it)"

@@ -47,7 +47,8 @@ class World:
         self.pods: dict = {KEY: []}
         self.events: list[tuple[str, str, str]] = []
         self.api = RecordingApi()
-        self.reconciler = Reconciler(Settings(all_namespaces=True), self.api, self.post_event)
+        settings = Settings(all_namespaces=True, settle_seconds=0)
+        self.reconciler = Reconciler(settings, self.api, self.post_event)
 
     def post_event(self, body, *, type, reason, message):
         self.events.append((type, reason, message))
@@ -168,3 +169,13 @@ def test_removing_a_region_deletes_its_children_and_says_so(world):
         e[1] == "Deleted" and e[2].startswith("region eu-west removed: deleted")
         for e in world.events
     )
+
+
+def test_a_namespace_being_deleted_is_left_alone(world):
+    terminating = ApiError(403, "namespace serving is being terminated", ("NamespaceTerminating",))
+    world.api.fail_with = terminating
+    asyncio.run(world.reconciler.poke(KEY, world.caches))
+    assert KEY not in world.reconciler._retry_at
+    world.api.fail_with = None
+    asyncio.run(world.reconciler.poke(KEY, world.caches))
+    assert world.api.calls == []
