@@ -97,6 +97,8 @@ def test_three_regions_become_ready_with_pods_only_in_their_region(
         ]
         assert claims == [model_volume]
 
+    # Owner references clean up; no finalizer can leave the resource stuck if the operator is gone.
+    assert not current["metadata"].get("finalizers")
     status = current["status"]
     assert (status["replicas"], status["readyReplicas"]) == (5, 5)
     assert [(r["name"], r["phase"], r["readyReplicas"]) for r in status["regions"]] == [
