@@ -8,6 +8,7 @@ event inside a 200 stream. A client that disconnects cancels the worker call, st
 
 import asyncio
 import json
+import re
 import time
 import uuid
 
@@ -29,6 +30,7 @@ from meridian.gateway.openai_protocol import (
 from meridian.gateway.workers import WorkerPool
 
 MAX_BODY_BYTES = 32 * 2**20
+UNION_TAG = re.compile(r"str|int|float|bool|list\[.*\]|function-\w+\[.*\]")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -214,7 +216,7 @@ def _describe(errors) -> tuple[str, str | None]:
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}", None
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     # Union members add their type names to the path (e.g. stop.str); keep the request's own names.
-    loc = [p for p in loc if not p.startswith(("str", "list[", "function-after"))]
+    loc = [p for p in loc if not UNION_TAG.fullmatch(p)]
     param = ".".join(loc) or None
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
     if first.get("type") == "extra_forbidden":

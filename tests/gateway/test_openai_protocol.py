@@ -180,3 +180,26 @@ def test_completion_stream_logprob_offsets_continue_across_chunks():
     }
     assert b["choices"][0]["finish_reason"] == "stop" and b["object"] == "text_completion"
     assert fmt.first_chunk() is None
+
+
+def test_validation_errors_name_the_field_as_sent():
+    from meridian.gateway.openai_app import _describe
+
+    def describe(body):
+        try:
+            ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:
+            return _describe(e.errors())
+        raise AssertionError("valid")
+
+    assert describe({**CHAT, "stream": "yes"}) == (
+        "stream: Input should be a valid boolean",
+        "stream",
+    )
+    message, param = describe({**CHAT, "stop": 5})
+    assert param == "stop" and message.startswith("stop: ")
+    assert describe({**CHAT, "messages": [{"role": "user"}]})[1] == "messages.0.content"
+    assert describe({**CHAT, "logit_bias": {}}) == (
+        "logit_bias: unknown or unsupported parameter",
+        "logit_bias",
+    )
