@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# A local deployment: one worker with the bundled model behind a gateway on :8000 (HTTP) and
+# :50051 (gRPC). Ctrl-C stops it. Flags: `make serve SERVE_FLAGS="--workers 2 --port 8080"`.
 serve: setup
-	$(BIN)/meridian generate --model smollm2-135m-instruct --chat --prompt "What is the capital of France?"
+	$(BIN)/meridian serve $(SERVE_FLAGS)
 
 test: setup lint test-fast test-e2e
 

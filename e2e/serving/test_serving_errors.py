@@ -85,7 +85,7 @@ def test_every_worker_saturated_is_429_with_retry_after(workers, log_dir):
 
         async def main():
             async with httpx.AsyncClient(timeout=120) as c:
-                body = {**CHAT, "max_tokens": 16, "ignore_eos": True}
+                body = {**CHAT, "max_tokens": 8, "ignore_eos": True}
                 return await asyncio.gather(
                     *(c.post(f"{g.url}/v1/chat/completions", json=body) for _ in range(40))
                 )
