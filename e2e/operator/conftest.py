@@ -27,6 +27,10 @@ from operator_e2e import (
 )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "all_gpus: needs every GPU of the e2e cluster free")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # The scale test leaves the most to clean up; nothing after it has to wait for that.
     items.sort(key=lambda item: pathlib.Path(str(item.fspath)).name == "test_operator_scale.py")
@@ -50,7 +54,10 @@ def kube() -> Iterator[Kube]:
     already_up = pathlib.Path(cluster_env()["STATE_DIR"], "kubeconfig").exists()
     started = subprocess.run([str(CLUSTER / "up")], capture_output=True, text=True, timeout=600)
     if started.returncode != 0:
-        pytest.fail(f"e2e/cluster/up failed:\n{started.stderr[-4000:]}")
+        pytest.fail(
+            "e2e/cluster/up failed (`make test-e2e` builds the cluster first; "
+            f"or run e2e/cluster/build):\n{started.stderr[-4000:]}"
+        )
     kubeconfig = started.stdout.strip().splitlines()[-1].removeprefix("export KUBECONFIG=")
     try:
         yield Kube(kubeconfig)
@@ -123,21 +130,16 @@ def operator(operators: Operator, installed: Kube) -> subprocess.Popen[bytes]:
 def namespace(installed: Kube, request: pytest.FixtureRequest) -> Iterator[str]:
     """A namespace of the test's own, deleted afterwards without waiting.
 
-    A test that runs workers first waits for earlier tests' namespaces to go: their pods hold GPUs.
+    Tests marked all_gpus count on the whole cluster's GPUs: earlier tests' pods are gone first.
     """
-    if "operator" in request.fixturenames:
-        wait_until(
-            "earlier test namespaces to finish terminating", _no_test_namespaces(installed), 120
-        )
+    if request.node.get_closest_marker("all_gpus"):
+
+        def no_test_namespaces() -> bool:
+            names = [ns["metadata"]["name"] for ns in installed.json("get", "namespaces")["items"]]
+            return not [name for name in names if name.startswith("e2e-")]
+
+        wait_until("earlier test namespaces to finish terminating", no_test_namespaces, 120, 1.0)
     name = f"e2e-{uuid.uuid4().hex[:8]}"
     installed("create", "namespace", name)
     yield name
     installed("delete", "namespace", name, "--wait=false")
-
-
-def _no_test_namespaces(kube: Kube):  # type: ignore[no-untyped-def]
-    def check() -> bool:
-        names = [ns["metadata"]["name"] for ns in kube.json("get", "namespaces")["items"]]
-        return not [name for name in names if name.startswith("e2e-")]
-
-    return check

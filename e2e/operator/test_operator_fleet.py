@@ -117,6 +117,7 @@ def test_three_regions_become_ready_with_pods_only_in_their_region(
     assert took < 60
 
 
+@pytest.mark.all_gpus
 def test_a_region_short_of_gpus_is_degraded_and_named(installed, operator, namespace):
     # eu-west has 8 nodes of 8 GPUs: nine 8-GPU workers cannot all fit.
     body = model_deployment(

@@ -7,6 +7,7 @@ import json
 import pathlib
 import time
 
+import pytest
 from operator_e2e import (
     Kube,
     cluster_env,
@@ -27,6 +28,7 @@ def ready_count(kube: Kube, namespace: str) -> int:
     return sum(is_ready(md) for md in kube.items("modeldeployments", namespace))
 
 
+@pytest.mark.all_gpus
 def test_fifty_deployments_in_three_regions_become_ready_and_stay_quiet(
     installed, operator, namespace, capsys
 ):
