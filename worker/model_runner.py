@@ -122,7 +122,7 @@ class ModelRunner:
             torch.tensor(tokens, device=self.device),
             pos.to(self.device),
             attn,
-            torch.tensor(sample_rows, device=self.device),
+            torch.tensor(sample_rows, dtype=torch.long, device=self.device),
             samplers,
         )
 

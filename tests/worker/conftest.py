@@ -29,5 +29,7 @@ def hf_model():
     from transformers import AutoModelForCausalLM
 
     path = resolve(DEFAULT_MODEL)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
     return model.eval()

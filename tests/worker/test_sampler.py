@@ -61,7 +61,9 @@ def test_sampling_follows_the_distribution():
 
 def test_logprobs_of_chosen_and_top_n():
     x = logits(2)
-    out = sample(x, [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0)], [None, None])
+    out = sample(
+        x, [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0)], [None, None]
+    )
     chosen, top = out.logprobs[0]
     ref = x[0].log_softmax(-1)
     assert chosen == pytest.approx(ref.max().item())

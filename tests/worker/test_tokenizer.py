@@ -22,7 +22,7 @@ HAND_WRITTEN = [
     "def f(x):\n    return x ** 2  # square\n",
     "for (int i = 0; i < n; ++i) { sum += a[i]; }",
     "SELECT * FROM users WHERE id = 42;",
-    "<html><body class=\"x\">text</body></html>",
+    '<html><body class="x">text</body></html>',
     "1234567890 3.14159 -2e10 0x1F",
     "I'm you're they'll we've she'd it's",
     "<|im_start|>user\nhi<|im_end|>",
@@ -40,8 +40,35 @@ HAND_WRITTEN = [
 ]
 
 PIECES = [
-    "the", " quick", " brown", "fox", "  ", "\n", "\t", "123", "9", "é", "ß", "中", "😀", "<|im_end|>",
-    "'s", "'LL", "(", ")", "{}", "::", "->", "=>", "    ", "\r\n", "Ω", "x_y", "__init__", "!", "?",
+    "the",
+    " quick",
+    " brown",
+    "fox",
+    "  ",
+    "\n",
+    "\t",
+    "123",
+    "9",
+    "é",
+    "ß",
+    "中",
+    "😀",
+    "<|im_end|>",
+    "'s",
+    "'LL",
+    "(",
+    ")",
+    "{}",
+    "::",
+    "->",
+    "=>",
+    "    ",
+    "\r\n",
+    "Ω",
+    "x_y",
+    "__init__",
+    "!",
+    "?",
 ]
 
 
@@ -83,7 +110,9 @@ CONVERSATIONS = [
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_renders_like_transformers(tokenizer, hf_tokenizer, messages, add_generation_prompt):
+def test_chat_template_renders_like_transformers(
+    tokenizer, hf_tokenizer, messages, add_generation_prompt
+):
     ours = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     ref = hf_tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=False

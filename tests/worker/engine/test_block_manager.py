@@ -163,6 +163,8 @@ def test_block_hash_is_stable_across_processes():
     # a gateway computes the same hashes to know which worker holds a prefix
     code = "from meridian.worker.engine.block_manager import prefix_block_hashes as h; print(h(list(range(40)), 16))"
     env = {**os.environ, "PYTHONHASHSEED": "random"}
-    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run(
+        [sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, check=True
+    )
     assert out.stdout.strip() == str(prefix_block_hashes(list(range(40)), 16))
     assert prefix_block_hashes([1, 2, 3, 4], 4) == prefix_block_hashes([1, 2, 3, 4, 5], 4)

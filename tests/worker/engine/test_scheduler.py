@@ -23,7 +23,9 @@ def run_step(s: Scheduler, sampled_token: int = 7):
     """Schedule, pretend the model ran, append a sampled token where a sequence reached its end."""
     batch = s.schedule()
     s.on_step_done(batch)
-    done = list(batch.decodes) + [q for q, _ in batch.prefills if q.num_computed_tokens == q.num_tokens]
+    done = list(batch.decodes) + [
+        q for q, _ in batch.prefills if q.num_computed_tokens == q.num_tokens
+    ]
     for q in done:
         q.token_ids.append(sampled_token)
     return batch

@@ -61,7 +61,9 @@ def write_hf_folder(model, folder, shard: bool) -> None:
 
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     """What llama.cpp's converter does to Q/K rows (adjacent rotary pairs)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
 def write_gguf(model, path, qtype: QT) -> None:
@@ -146,7 +148,9 @@ def test_non_llama_gguf_is_rejected(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UserError, match="'qwen2' model; Meridian loads Llama-architecture models only"):
+    with pytest.raises(
+        UserError, match="'qwen2' model; Meridian loads Llama-architecture models only"
+    ):
         load_checkpoint(str(path))
 
 
