@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import socket
+from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 import kopf
@@ -74,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     if not settings.verbose:
         # kopf logs every handler call at INFO: one line per pod event in a busy fleet.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # every liveness probe
     return asyncio.run(serve(settings))
 
 
@@ -123,7 +125,7 @@ async def serve(settings: Settings) -> int:
 
 
 @contextlib.asynccontextmanager
-async def _standby_liveness(url: str | None):  # type: ignore[no-untyped-def]
+async def _standby_liveness(url: str | None) -> AsyncIterator[None]:
     """A standby waiting for the Lease is alive too; kopf serves the endpoint once it leads."""
     if url is None:
         yield
