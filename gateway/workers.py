@@ -24,6 +24,7 @@ STATES = {
     pb.SERVING_STATE_STARTING: STARTING,
     pb.SERVING_STATE_SERVING: SERVING,
     pb.SERVING_STATE_DRAINING: DRAINING,
+    pb.SERVING_STATE_FAILED: DOWN,
 }
 CHANNEL_OPTIONS = [
     # Notice a worker that vanished without closing its connections within seconds.

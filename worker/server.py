@@ -6,7 +6,7 @@ weights load), the model loads in a background thread, a short warm-up runs thro
 only then does health turn SERVING. SIGTERM or SIGINT drains: health turns NOT_SERVING, new calls
 get UNAVAILABLE (a gateway retries them on another worker), in-flight requests run to completion
 for up to --drain-timeout seconds, whatever is left is aborted, and the process exits 0. A second
-signal ends the wait at once.
+signal ends the wait at once. If the engine itself fails, the worker reports FAILED and exits 1.
 """
 
 import argparse
@@ -147,7 +147,15 @@ async def serve(settings: WorkerSettings) -> int:
             file=sys.stderr,
             flush=True,
         )
-        await signals.stop.wait()
+        while not signals.stop.is_set() and engine.error is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(signals.stop.wait(), 0.5)
+        if engine.error is not None:
+            # Nothing can be served any more: say so, and exit for a supervisor to restart us.
+            service.set_state(pb.SERVING_STATE_FAILED)
+            await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+            print(f"meridian worker: the engine failed: {engine.error}", file=sys.stderr)
+            return 1
         await _drain(service, health_servicer, settings.drain_timeout, signals.hurry)
     finally:
         await server.stop(grace=1.0)

@@ -102,9 +102,9 @@ class InferenceService(pb_grpc.InferenceServicer):
             rejection = e if isinstance(e, Rejection) else Rejection.invalid(e)
             status = rejection.status
             await rejection.abort(context)
-        except EngineDeadError as e:
+        except EngineDeadError as e:  # UNAVAILABLE: another worker can still serve the request
             status = metrics.ERROR
-            await Rejection(grpc.StatusCode.INTERNAL, metrics.ERROR, str(e)).abort(context)
+            await Rejection(grpc.StatusCode.UNAVAILABLE, metrics.ERROR, str(e)).abort(context)
         finally:
             self.live.discard(engine_id)
             if status == metrics.OK:
@@ -114,7 +114,10 @@ class InferenceService(pb_grpc.InferenceServicer):
     def _prepare(self, request) -> tuple[AsyncEngine, list[int], SamplingParams]:
         engine = self.engine
         if self.state != pb.SERVING_STATE_SERVING or engine is None:
-            what = "draining" if self.state == pb.SERVING_STATE_DRAINING else "loading its model"
+            what = {
+                pb.SERVING_STATE_DRAINING: "draining",
+                pb.SERVING_STATE_FAILED: "failed (its engine stopped)",
+            }.get(self.state, "loading its model")
             raise Rejection(
                 grpc.StatusCode.UNAVAILABLE, metrics.UNAVAILABLE, f"this worker is {what}"
             )

@@ -20,6 +20,7 @@ class ServingState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SERVING_STATE_STARTING: _ClassVar[ServingState]
     SERVING_STATE_SERVING: _ClassVar[ServingState]
     SERVING_STATE_DRAINING: _ClassVar[ServingState]
+    SERVING_STATE_FAILED: _ClassVar[ServingState]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -28,6 +29,7 @@ SERVING_STATE_UNSPECIFIED: ServingState
 SERVING_STATE_STARTING: ServingState
 SERVING_STATE_SERVING: ServingState
 SERVING_STATE_DRAINING: ServingState
+SERVING_STATE_FAILED: ServingState
 
 class GenerateRequest(_message.Message):
     __slots__ = ("model", "text", "token_ids", "chat", "sampling", "request_id", "priority", "hops")
