@@ -158,7 +158,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         # The engine can hold a request only if prompt + output fit both the context window and
         # the KV pool; unset max_tokens means "whatever room that leaves".
         e = engine.engine
-        kv_tokens = e.block_manager.num_blocks * e.block_manager.block_size
+        kv_tokens = engine.stats().kv_blocks_total * e.settings.block_size  # fixed at startup
         room = min(e.max_model_len, kv_tokens)
         window = "context window" if room == e.max_model_len else "KV cache of this worker"
         if num_prompt_tokens >= room:
