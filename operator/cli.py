@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 import kopf
 from aiohttp import web
 
+from meridian.errors import UserError
 from meridian.operator import handlers
 from meridian.operator.kube import KubeClient
 from meridian.operator.leader import Lease
@@ -57,22 +58,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", "-v", action="store_true", help="log at debug level")
 
 
+def settings_from(args: argparse.Namespace) -> Settings:
+    try:
+        return Settings(
+            namespaces=tuple(args.namespace or ()),
+            all_namespaces=args.all_namespaces,
+            liveness=args.liveness,
+            resync_seconds=args.resync_seconds,
+            leader_election=args.leader_election,
+            lease_namespace=args.lease_namespace,
+            identity=args.identity,
+            verbose=args.verbose,
+        )
+    except ValueError as error:
+        raise UserError(str(error)) from error
+
+
 def run(args: argparse.Namespace) -> int:
-    settings = Settings(
-        namespaces=tuple(args.namespace or ()),
-        all_namespaces=args.all_namespaces,
-        liveness=args.liveness,
-        resync_seconds=args.resync_seconds,
-        leader_election=args.leader_election,
-        lease_namespace=args.lease_namespace,
-        identity=args.identity,
-        verbose=args.verbose,
-    )
-    logging.basicConfig(
-        level=logging.DEBUG if settings.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if not settings.verbose:
+    settings = settings_from(args)
+    # `meridian --log-level` configures logging; --verbose adds kopf's and aiohttp's chatter.
+    if settings.verbose:
+        logging.getLogger().setLevel(logging.DEBUG)
+    else:
         # kopf logs every handler call at INFO: one line per pod event in a busy fleet.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # every liveness probe

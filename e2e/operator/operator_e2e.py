@@ -81,16 +81,17 @@ class Operator:
     def start(self, identity: str | None = None) -> subprocess.Popen[bytes]:
         identity = identity or f"e2e-{len(self.logs)}"
         path = self.log_dir / f"operator-{identity}-{len(self.logs)}.log"
+        # The installed entry point, as in the operator's Deployment.
+        meridian = str(pathlib.Path(sys.executable).with_name("meridian"))
         command = [
-            sys.executable,
-            "-m",
-            "meridian.operator",
+            meridian,
+            "--log-level=INFO",
+            "operator",
             "--all-namespaces",
             "--identity",
             identity,
-            "--lease-namespace",
-            OPERATOR_NAMESPACE,
         ]
+        command += ["--lease-namespace", OPERATOR_NAMESPACE]
         with path.open("wb") as log:
             process = subprocess.Popen(
                 command,

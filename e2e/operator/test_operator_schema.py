@@ -102,4 +102,4 @@ def test_the_manifests_install_with_kustomize(installed):
     assert all("*" not in rule["verbs"] and "*" not in rule["resources"] for rule in rules)
     deployment = installed.json("get", "deployment", "meridian-operator", "-n", "meridian-system")
     command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert command[:3] == ["meridian", "operator", "--all-namespaces"]
+    assert command[:4] == ["meridian", "--log-level=INFO", "operator", "--all-namespaces"]
