@@ -27,21 +27,26 @@ FINISH_REASONS = {
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_ABORT: "abort",
 }
-# Worker answers that mean "not this worker, not now": another worker may well succeed.
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# Worker answers that mean "not this worker, not now": another worker may well succeed. (A worker
+# cancels calls only when it is stopped without a drain; our own cancellations never surface here.)
+RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.CANCELLED,
+}
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.OUT_OF_RANGE: 400,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.CANCELLED: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 GRPC_CODE = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND}
 GRPC_CODE |= {429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
 METRIC_STATUS = {400: metrics.INVALID, 404: metrics.NOT_FOUND, 429: metrics.REJECTED}
-METRIC_STATUS |= {503: metrics.UNAVAILABLE, 499: metrics.CANCELLED}
+METRIC_STATUS |= {503: metrics.UNAVAILABLE}
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
 ERROR_TYPES |= {503: "service_unavailable_error"}
 

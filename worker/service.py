@@ -98,7 +98,7 @@ class InferenceService(pb_grpc.InferenceServicer):
                     reason = out.finish_reason
                     yield self._response(request_id, out, engine)
             status = metrics.OK
-        except UserError as e:  # the engine's own checks run before it queues the request
+        except UserError as e:  # ours (Rejection) or the engine's checks, before anything is queued
             rejection = e if isinstance(e, Rejection) else Rejection.invalid(e)
             status = rejection.status
             await rejection.abort(context)
