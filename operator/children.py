@@ -33,6 +33,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 MODEL_MOUNT = "/var/lib/meridian/models"
 DIST_PORT = 29500  # torch.distributed rendezvous on rank 0 of a pipeline group
+METRICS_PORT = 9400  # the worker's Prometheus /metrics
 
 
 def content_hash(obj: Any) -> str:
@@ -84,13 +85,16 @@ def build_engine_configmap(fleet: Fleet, region: Region) -> dict[str, Any]:
         "MERIDIAN_MODEL_NAME": model.name,
         "MERIDIAN_MODEL_FORMAT": model.format,
         "MERIDIAN_QUANTIZATION": model.quantization,
-        "MERIDIAN_DTYPE": model.dtype,
         "MERIDIAN_REGION": region.name,
+        "MERIDIAN_DEVICE": "cuda" if region.resources.gpus else "cpu",
         "MERIDIAN_MAX_NUM_SEQS": str(engine.max_num_seqs),
         "MERIDIAN_PREFIX_CACHING": "true" if engine.prefix_caching else "false",
-        "MERIDIAN_TENSOR_PARALLEL_SIZE": str(fleet.tensor),
         "MERIDIAN_PIPELINE_PARALLEL_SIZE": str(fleet.pipeline),
     }
+    if model.dtype != "auto":  # auto: the worker's own choice for its device
+        data["MERIDIAN_DTYPE"] = model.dtype
+    if fleet.tensor > 1:
+        data["MERIDIAN_TENSOR_PARALLEL_SIZE"] = str(fleet.tensor)
     if engine.max_model_len is not None:
         data["MERIDIAN_MAX_MODEL_LEN"] = str(engine.max_model_len)
     if engine.kv_cache_memory is not None:
@@ -248,7 +252,10 @@ def build_worker_container(
     env: list[dict[str, Any]] = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
     ]
-    ports = [{"name": "grpc", "containerPort": WORKER_PORT}]
+    ports = [
+        {"name": "grpc", "containerPort": WORKER_PORT},
+        {"name": "metrics", "containerPort": METRICS_PORT},
+    ]
     if group is not None:
         env.extend(_distributed_env(fleet, region, group))
         ports.append({"name": "dist", "containerPort": DIST_PORT})
@@ -274,8 +281,11 @@ def build_worker_container(
 
 def worker_args(config_data: dict[str, str], region: Region) -> list[str]:
     """`meridian worker` flags; values come from the engine ConfigMap through $(VAR) expansion."""
-    args = ["--model", "$(MERIDIAN_MODEL)", "--host", "0.0.0.0", "--port", str(WORKER_PORT)]
+    args = ["--model", "$(MERIDIAN_MODEL)", "--served-model-name", "$(MERIDIAN_MODEL_NAME)"]
+    args += ["--host", "0.0.0.0", "--port", str(WORKER_PORT), "--metrics-port", str(METRICS_PORT)]
     for flag, var in (
+        ("--device", "MERIDIAN_DEVICE"),
+        ("--dtype", "MERIDIAN_DTYPE"),
         ("--max-num-seqs", "MERIDIAN_MAX_NUM_SEQS"),
         ("--max-model-len", "MERIDIAN_MAX_MODEL_LEN"),
         ("--kv-cache-memory", "MERIDIAN_KV_CACHE_MEMORY"),
@@ -283,9 +293,8 @@ def worker_args(config_data: dict[str, str], region: Region) -> list[str]:
     ):
         if var in config_data:
             args += [flag, f"$({var})"]
-    args.append(
-        "--enable-prefix-caching" if region.engine.prefix_caching else "--no-enable-prefix-caching"
-    )
+    if not region.engine.prefix_caching:
+        args.append("--no-prefix-caching")
     return args + list(region.engine.extra_args)
 
 

@@ -27,13 +27,16 @@ MAX_STATEFULSET_NAME = 52
 # Flags the operator derives from spec fields; extraArgs must not repeat them. Value: the field.
 OWNED_FLAGS = {
     "--model": "model.source",
+    "--served-model-name": "model.name",
+    "--dtype": "model.dtype",
+    "--device": "resources.gpus",
     "--host": None,
     "--port": None,
+    "--metrics-port": None,
     "--max-num-seqs": "engine.maxNumSeqs",
     "--max-model-len": "engine.maxModelLen",
     "--kv-cache-memory": "engine.kvCacheMemory",
-    "--enable-prefix-caching": "engine.prefixCaching",
-    "--no-enable-prefix-caching": "engine.prefixCaching",
+    "--no-prefix-caching": "engine.prefixCaching",
     "--tensor-parallel-size": "parallelism.tensor",
 }
 

@@ -85,8 +85,22 @@ def test_every_flag_value_refers_to_a_key_of_the_engine_configmap(spec):
     assert referenced <= set(config["data"])
     assert {"MERIDIAN_MAX_MODEL_LEN", "MERIDIAN_KV_CACHE_MEMORY"} <= referenced
     assert config["data"]["MERIDIAN_KV_CACHE_MEMORY"] == str(2**30)
-    assert "--no-enable-prefix-caching" in worker["args"]
+    assert "--no-prefix-caching" in worker["args"]
     assert worker["envFrom"] == [{"configMapRef": {"name": "chat-us-east-engine"}}]
+
+
+def test_flags_follow_the_device_the_pod_gets(spec):
+    (deployment,) = by_kind(children(spec)["us-east"], "Deployment")
+    config = children(spec)["us-east"][0]["data"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--device") + 1] == "$(MERIDIAN_DEVICE)"
+    assert config["MERIDIAN_DEVICE"] == "cuda"
+    assert "--dtype" not in args and "--tensor-parallel-size" not in args  # auto, and 1
+    assert "--no-prefix-caching" not in args
+    spec["resources"] = {"gpus": 0}
+    spec["model"]["dtype"] = "bfloat16"
+    assert children(spec)["us-east"][0]["data"]["MERIDIAN_DEVICE"] == "cpu"
+    assert children(spec)["us-east"][0]["data"]["MERIDIAN_DTYPE"] == "bfloat16"
 
 
 def test_extra_args_come_after_the_operators_flags(spec):
