@@ -57,17 +57,20 @@ def paged_attention(
     out = torch.empty_like(q)
     n = batch.num_decodes
     if n:
-        k_cache, v_cache = kv_cache
-        keys = k_cache[batch.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
-        values = v_cache[batch.decode_slots].transpose(1, 2)
+        _, kv_heads, head_dim = k.shape
+        groups = q.shape[1] // kv_heads
+        keys = _gather(kv_cache[0], batch.decode_slots).transpose(1, 2)  # [B, KVH, L, D]
+        values = _gather(kv_cache[1], batch.decode_slots).transpose(1, 2)
+        # One query token per sequence: the query heads sharing a KV head ride in SDPA's "query
+        # length" dimension, so K/V are never repeated per query head (HF's layout: query head
+        # h uses KV head h // groups).
         out[:n] = F.scaled_dot_product_attention(
-            q[:n].unsqueeze(2),  # [B, H, 1, D]
+            q[:n].view(n, kv_heads, groups, head_dim),
             keys,
             values,
             attn_mask=batch.decode_mask,
             scale=scale,
-            enable_gqa=True,
-        ).squeeze(2)
+        ).reshape(n, -1, head_dim)
     for c in batch.prefills:
         query = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if c.context_slots is None:
@@ -75,9 +78,8 @@ def paged_attention(
             values = v[c.start : c.end]
             mask, causal = None, True
         else:
-            k_cache, v_cache = kv_cache
-            keys = k_cache[c.context_slots]
-            values = v_cache[c.context_slots]
+            keys = _gather(kv_cache[0], c.context_slots)
+            values = _gather(kv_cache[1], c.context_slots)
             # query i sits at position num_cached + i and sees context positions 0..that
             rows = torch.arange(c.end - c.start).unsqueeze(1) + c.num_cached
             mask = torch.arange(keys.shape[0]).unsqueeze(0) <= rows
@@ -96,3 +98,11 @@ def paged_attention(
             .transpose(0, 1)
         )
     return out
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for a [num_slots, KVH, D] cache: [*slots.shape, KVH, D]. index_select over
+    whole rows copies each slot's K or V in one piece, several times faster on CPU than
+    advanced indexing."""
+    rows = cache.view(cache.shape[0], -1).index_select(0, slots.reshape(-1))
+    return rows.view(*slots.shape, *cache.shape[1:])
