@@ -33,3 +33,20 @@ def hf_model():
         path.parent, gguf_file=path.name, dtype=torch.float32
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model):
+    """transformers' greedy continuation of one prompt, alone: the oracle outputs are checked against."""
+
+    def generate(ids: list[int], max_new_tokens: int) -> list[int]:
+        with torch.no_grad():
+            out = hf_model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+            )
+        return out[0, len(ids) :].tolist()
+
+    return generate

@@ -1,7 +1,6 @@
 """Greedy generation equals Hugging Face `transformers` token for token (fp32, the bundled model)."""
 
 import pytest
-import torch
 
 from meridian.worker.engine.llm_engine import EngineSettings, LLMEngine
 from meridian.worker.sampling_params import SamplingParams
@@ -39,17 +38,6 @@ CHAT = [
 NEW_TOKENS = 64
 
 
-def hf_greedy(hf_model, ids: list[int], max_new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = hf_model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-        )
-    return out[0, len(ids) :].tolist()
-
-
 @pytest.fixture(scope="module")
 def engine(checkpoint):
     return LLMEngine(EngineSettings(), checkpoint)
@@ -63,14 +51,14 @@ def test_answers_paris(engine):
     assert "Paris" in out.text
 
 
-def test_24_prompts_plain_and_chat_match_transformers(engine, hf_model):
+def test_24_prompts_plain_and_chat_match_transformers(engine, hf_greedy):
     tok = engine.tokenizer
     prompts = [tok.encode(p) for p in PLAIN]
     prompts += [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in CHAT]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
     mismatched = []
     for ids, out in zip(prompts, outs, strict=True):
-        ref = hf_greedy(hf_model, ids, NEW_TOKENS)
+        ref = hf_greedy(ids, NEW_TOKENS)
         if out.token_ids != ref:
             mismatched.append((tok.decode(ids), out.token_ids, ref))
     assert mismatched == []

@@ -5,7 +5,6 @@
 import random
 
 import pytest
-import torch
 
 from meridian.worker.engine.llm_engine import EngineSettings, LLMEngine
 from meridian.worker.sampling_params import SamplingParams
@@ -40,19 +39,9 @@ def requests(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def reference(requests, hf_model):
+def reference(requests, hf_greedy):
     """What transformers generates for each request on its own."""
-    refs = []
-    for ids, max_tokens in requests:
-        with torch.no_grad():
-            out = hf_model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=max_tokens,
-                do_sample=False,
-            )
-        refs.append(out[0, len(ids) :].tolist())
-    return refs
+    return [hf_greedy(ids, max_tokens) for ids, max_tokens in requests]
 
 
 def run(checkpoint, requests, **settings):
