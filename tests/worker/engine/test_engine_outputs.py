@@ -9,7 +9,8 @@ import pytest
 from meridian.worker.engine.llm_engine import EngineSettings, LLMEngine
 from meridian.worker.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow
+# The transformers reference for 32 requests alone is computed inside the first test.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 PASSAGE = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
