@@ -3,7 +3,6 @@
 import argparse
 import re
 
-from meridian.errors import UserError
 from meridian.worker.engine.llm_engine import DTYPES, EngineSettings
 from meridian.worker.loaders import DEFAULT_MODEL
 
@@ -69,18 +68,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_settings(args: argparse.Namespace) -> EngineSettings:
-    try:
-        return EngineSettings(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            kv_cache_memory=args.kv_cache_memory,
-            enable_prefix_caching=args.enable_prefix_caching,
-            enable_chunked_prefill=args.enable_chunked_prefill,
-        )
-    except TypeError as e:  # pragma: no cover - flags and settings out of step is a bug
-        raise UserError(str(e)) from e
+    return EngineSettings(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+    )

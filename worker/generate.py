@@ -83,10 +83,8 @@ def _run_file(engine: LLMEngine, lines: list[dict], defaults: dict, output: str 
     for n, item in enumerate(lines, 1):
         try:
             options = {**defaults, **{k: v for k, v in item.items() if k in _SAMPLING_KEYS}}
-            if isinstance(options["stop"], str | list):
-                options["stop"] = tuple(
-                    [options["stop"]] if isinstance(options["stop"], str) else options["stop"]
-                )
+            if isinstance(options["stop"], list):  # SamplingParams takes a str or tuple
+                options["stop"] = tuple(options["stop"])
             params.append(SamplingParams(**options))
             if "messages" in item:
                 prompts.append(engine.tokenizer.apply_chat_template(item["messages"]))
