@@ -90,7 +90,7 @@ class ModelRunner:
             positions.extend(range(first, first + n))
             context = None
             if first > 0:
-                context = self._slots(seq.block_table, torch.arange(first + n))
+                context = torch.tensor(seq.block_table[: -(-(first + n) // bs)])
             chunks.append(PrefillChunk(start, start + n, first, context))
             if first + n == seq.num_tokens:
                 sample_rows.append(start + n - 1)
@@ -105,19 +105,22 @@ class ModelRunner:
         ]
         owner = torch.tensor(owners)
         slot_mapping = table[owner, pos // bs] * bs + pos % bs
-        attn = AttentionBatch(slot_mapping=slot_mapping.to(self.device), prefills=chunks)
+        attn = AttentionBatch(
+            slot_mapping=slot_mapping.to(self.device), block_size=bs, prefills=chunks
+        )
         if batch.decodes:
             n = len(batch.decodes)
             lens = torch.tensor([s.num_tokens for s in batch.decodes])  # [B]
-            span = torch.arange(int(lens.max()))  # [L]
+            width = -(-int(lens.max()) // bs)  # blocks of the longest context
+            span = torch.arange(width * bs)
             attn.num_decodes = n
-            attn.decode_slots = (table[:n, span // bs] * bs + span % bs).to(self.device)  # [B, L]
+            attn.decode_blocks = table[:n, :width].to(self.device)  # [B, N]
             attn.decode_mask = (span.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :].to(
                 self.device
             )
         for c in chunks:
-            if c.context_slots is not None:
-                c.context_slots = c.context_slots.to(self.device)
+            if c.context_blocks is not None:
+                c.context_blocks = c.context_blocks.to(self.device)
         return (
             torch.tensor(tokens, device=self.device),
             pos.to(self.device),
@@ -125,10 +128,6 @@ class ModelRunner:
             torch.tensor(sample_rows, dtype=torch.long, device=self.device),
             samplers,
         )
-
-    def _slots(self, block_table: list[int], span: torch.Tensor) -> torch.Tensor:
-        table = torch.tensor(block_table)
-        return table[span // self.block_size] * self.block_size + span % self.block_size
 
     @staticmethod
     def _block_tables(tables: list[list[int]]) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 The KV cache of a layer is two tensors of slots, `[num_blocks * block_size, kv_heads, head_dim]`;
 slot = block_id * block_size + offset. Each step writes the new tokens' K/V into their slots
-(`slot_mapping`) and attends over each sequence's context through its slots. This is the torch
-reference path; it runs anywhere. A fused kernel can replace `paged_attention` on GPU.
+(`slot_mapping`) and attends over each sequence's context by gathering its blocks, whole, in
+block-table order; a mask hides the unused tail of the last block. This is the torch reference
+path; it runs anywhere. A fused kernel can replace `paged_attention` on GPU.
 """
 
 from dataclasses import dataclass, field
@@ -20,9 +21,9 @@ class PrefillChunk:
     start: int
     end: int
     num_cached: int
-    # [num_cached + end - start] slots of the whole context; None when nothing is cached, so the
-    # chunk attends to its own fresh K/V.
-    context_slots: torch.Tensor | None = None
+    # the blocks holding the whole context, positions [0, num_cached + end - start); None when
+    # nothing is cached, so the chunk attends to its own fresh K/V.
+    context_blocks: torch.Tensor | None = None
 
 
 @dataclass
@@ -31,9 +32,10 @@ class AttentionBatch:
     sequence, then prefill chunks."""
 
     slot_mapping: torch.Tensor | None  # [T] slot for each new token's K/V; None: no cache
+    block_size: int = 16
     num_decodes: int = 0
-    decode_slots: torch.Tensor | None = None  # [B, L_max] context slots, padded
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, L_max] True where a slot is attended
+    decode_blocks: torch.Tensor | None = None  # [B, N] block tables, padded
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, N * block_size] True where attended
     prefills: list[PrefillChunk] = field(default_factory=list)
 
     @classmethod
@@ -59,8 +61,8 @@ def paged_attention(
     if n:
         _, kv_heads, head_dim = k.shape
         groups = q.shape[1] // kv_heads
-        keys = _gather(kv_cache[0], batch.decode_slots).transpose(1, 2)  # [B, KVH, L, D]
-        values = _gather(kv_cache[1], batch.decode_slots).transpose(1, 2)
+        keys = _gather(kv_cache[0], batch.decode_blocks, batch.block_size).transpose(1, 2)
+        values = _gather(kv_cache[1], batch.decode_blocks, batch.block_size).transpose(1, 2)
         # One query token per sequence: the query heads sharing a KV head ride in SDPA's "query
         # length" dimension, so K/V are never repeated per query head (HF's layout: query head
         # h uses KV head h // groups).
@@ -73,13 +75,13 @@ def paged_attention(
         ).reshape(n, -1, head_dim)
     for c in batch.prefills:
         query = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if c.context_slots is None:
+        if c.context_blocks is None:
             keys = k[c.start : c.end]
             values = v[c.start : c.end]
             mask, causal = None, True
         else:
-            keys = _gather(kv_cache[0], c.context_slots)
-            values = _gather(kv_cache[1], c.context_slots)
+            keys = _gather(kv_cache[0], c.context_blocks, batch.block_size)  # [L, KVH, D]
+            values = _gather(kv_cache[1], c.context_blocks, batch.block_size)
             # query i sits at position num_cached + i and sees context positions 0..that
             rows = torch.arange(c.end - c.start).unsqueeze(1) + c.num_cached
             mask = torch.arange(keys.shape[0]).unsqueeze(0) <= rows
@@ -100,9 +102,9 @@ def paged_attention(
     return out
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache[slots] for a [num_slots, KVH, D] cache: [*slots.shape, KVH, D]. index_select over
-    whole rows copies each slot's K or V in one piece, several times faster on CPU than
-    advanced indexing."""
-    rows = cache.view(cache.shape[0], -1).index_select(0, slots.reshape(-1))
-    return rows.view(*slots.shape, *cache.shape[1:])
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The slots of `blocks` ([..., N] block ids) from a [num_slots, KVH, D] cache, in order:
+    [..., N * block_size, KVH, D]. index_select over whole blocks copies each in one piece, far
+    faster on CPU than gathering slot by slot."""
+    rows = cache.view(-1, block_size * cache[0].numel()).index_select(0, blocks.reshape(-1))
+    return rows.view(*blocks.shape[:-1], blocks.shape[-1] * block_size, *cache.shape[1:])
