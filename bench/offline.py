@@ -2,13 +2,16 @@
 
 N seeded synthetic prompts of fixed length; each request generates exactly `--new-tokens` tokens
 (EOS ignored on both sides, greedy) so both sides do the same work. transformers runs static
-batches of `--hf-batch-size`. Prints each side's output tokens/s; the last line is the ratio.
+batches of `--hf-batch-size`. With `--rounds R` the two sides take turns R times, so a machine
+whose speed drifts during the run slows both alike; each side's median time counts. Prints each
+side's output tokens/s; the last line is the ratio.
 
-    python -P bench/offline.py [--requests 64] [--prompt-tokens 128] [--new-tokens 128]
+    python -P bench/offline.py [--requests 64] [--prompt-tokens 128] [--new-tokens 128] [--rounds 1]
 """
 
 import argparse
 import random
+import statistics
 import sys
 import time
 
@@ -27,20 +30,32 @@ def synthetic_prompts(
     return [[rng.choice(ordinary) for _ in range(length)] for _ in range(n)]
 
 
-def run_meridian(checkpoint, prompts, new_tokens: int, args) -> tuple[float, list[list[int]]]:
+def run_meridian(checkpoint, prompts, new_tokens: int, args):
+    """A function that runs every prompt through the engine: (seconds, outputs)."""
     engine = LLMEngine(
-        EngineSettings(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs),
+        EngineSettings(
+            model=args.model,
+            dtype=args.dtype,
+            max_num_seqs=args.max_num_seqs,
+            # Every round repeats the same prompts; a cache hit would skip prefill work that
+            # transformers does, so the comparison is of batching alone.
+            enable_prefix_caching=False,
+        ),
         checkpoint,
     )
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm up
-    start = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    return elapsed, [o.token_ids for o in outs]
+
+    def run() -> tuple[float, list[list[int]]]:
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        return time.perf_counter() - start, [o.token_ids for o in outs]
+
+    return run
 
 
-def run_transformers(prompts, new_tokens: int, args) -> tuple[float, list[list[int]]]:
+def run_transformers(prompts, new_tokens: int, args):
+    """A function that runs every prompt through transformers in static batches."""
     from transformers import AutoModelForCausalLM
 
     path = resolve(args.model)
@@ -63,11 +78,15 @@ def run_transformers(prompts, new_tokens: int, args) -> tuple[float, list[list[i
         return out[:, ids.shape[1] :].tolist()
 
     generate(prompts[:2])  # warm up
-    start = time.perf_counter()
-    outputs = []
-    for i in range(0, len(prompts), args.hf_batch_size):
-        outputs += generate(prompts[i : i + args.hf_batch_size])
-    return time.perf_counter() - start, outputs
+
+    def run() -> tuple[float, list[list[int]]]:
+        start = time.perf_counter()
+        outputs = []
+        for i in range(0, len(prompts), args.hf_batch_size):
+            outputs += generate(prompts[i : i + args.hf_batch_size])
+        return time.perf_counter() - start, outputs
+
+    return run
 
 
 def main() -> int:
@@ -82,7 +101,10 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=128, help="Meridian's running-sequence cap")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1, help="turns each side takes, alternating")
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
 
     checkpoint = load_checkpoint(args.model)
     tok = checkpoint.tokenizer
@@ -100,13 +122,25 @@ def main() -> int:
         file=sys.stderr,
     )
 
-    m_time, m_out = run_meridian(checkpoint, prompts, args.new_tokens, args)
-    m_tps = total / m_time
-    print(f"meridian:     {m_time:7.2f} s  {m_tps:8.1f} output tokens/s")
-    h_time, h_out = run_transformers(prompts, args.new_tokens, args)
-    h_tps = total / h_time
+    meridian = run_meridian(checkpoint, prompts, args.new_tokens, args)
+    transformers = run_transformers(prompts, args.new_tokens, args)
+    m_times, h_times = [], []
+    for r in range(args.rounds):
+        m_time, m_out = meridian()
+        h_time, h_out = transformers()
+        m_times.append(m_time)
+        h_times.append(h_time)
+        if args.rounds > 1:
+            print(
+                f"round {r + 1}: meridian {total / m_time:.1f}, transformers {total / h_time:.1f}"
+                f" output tokens/s, ratio {h_time / m_time:.2f}"
+            )
+    m_tps = total / statistics.median(m_times)
+    h_tps = total / statistics.median(h_times)
+    print(f"meridian:     {total / m_tps:7.2f} s  {m_tps:8.1f} output tokens/s")
     print(
-        f"transformers: {h_time:7.2f} s  {h_tps:8.1f} output tokens/s (static batches of {args.hf_batch_size})"
+        f"transformers: {total / h_tps:7.2f} s  {h_tps:8.1f} output tokens/s"
+        f" (static batches of {args.hf_batch_size})"
     )
     same = sum(a == b for a, b in zip(m_out, h_out, strict=True))
     print(f"identical greedy outputs: {same}/{len(prompts)}")
