@@ -13,7 +13,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from dataclasses import dataclass, fields
 
 from meridian.errors import UserError
 from meridian.gateway.server import Gateway, GatewaySettings
+from meridian.net import free_port
 from meridian.worker.arguments import add_engine_arguments, engine_settings
 from meridian.worker.engine.llm_engine import EngineSettings
 from meridian.worker.loaders import resolve
@@ -154,12 +154,6 @@ def _exit_with_parent():
     except (OSError, AttributeError):  # not Linux
         return None
     return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _serve(settings: ServeSettings, gs: GatewaySettings, workers: list[LocalWorker]) -> int:

@@ -7,7 +7,6 @@ whole process group if it does not exit in time.
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,18 +17,14 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from meridian.net import free_port
+
 MODEL = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 2048
 # Small enough for several workers to share the machine; large enough for 64 concurrent requests.
 WORKER_FLAGS = ["--kv-cache-memory", "256MiB", "--max-num-seqs", "32"]
 WORKER_FLAGS += ["--max-model-len", str(MAX_MODEL_LEN)]
 STARTUP_TIMEOUT = 300  # seconds; loading the model on a busy 2-core machine can take a minute
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Process:

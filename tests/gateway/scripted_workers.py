@@ -7,21 +7,15 @@ retry and cancellation paths are driven without a model. Tests against real work
 
 import asyncio
 import contextlib
-import socket
 import time
 
 import grpc
 
 from meridian.api.v1 import pb, pb_grpc
 from meridian.gateway.server import Gateway, GatewaySettings
+from meridian.net import free_port
 
 MODEL = "scripted"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ScriptedWorker(pb_grpc.InferenceServicer):
