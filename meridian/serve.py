@@ -16,28 +16,15 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from meridian.errors import UserError
 from meridian.gateway.server import Gateway, GatewaySettings
 from meridian.net import free_port
-from meridian.worker.arguments import add_engine_arguments, engine_settings
+from meridian.worker.arguments import add_engine_arguments, engine_flags, engine_settings
 from meridian.worker.engine.llm_engine import EngineSettings
 from meridian.worker.loaders import resolve
 
-# EngineSettings field -> `meridian worker` flag (booleans: the flag that turns the default off).
-ENGINE_FLAGS = {
-    "model": "--model",
-    "dtype": "--dtype",
-    "device": "--device",
-    "block_size": "--block-size",
-    "max_num_seqs": "--max-num-seqs",
-    "max_num_batched_tokens": "--max-num-batched-tokens",
-    "max_model_len": "--max-model-len",
-    "kv_cache_memory": "--kv-cache-memory",
-    "enable_prefix_caching": "--no-prefix-caching",
-    "enable_chunked_prefill": "--no-chunked-prefill",
-}
 PR_SET_PDEATHSIG = 1
 
 
@@ -103,19 +90,6 @@ def worker_command(engine: EngineSettings, address: str, metrics_port: int, drai
     command += ["--port", port, "--metrics-port", str(metrics_port)]
     command += ["--drain-timeout", str(drain), *engine_flags(engine)]
     return command
-
-
-def engine_flags(engine: EngineSettings) -> list[str]:
-    """The `meridian worker` flags that rebuild `engine`."""
-    flags = []
-    for f in fields(engine):
-        value = getattr(engine, f.name)
-        if isinstance(value, bool):
-            if not value:
-                flags.append(ENGINE_FLAGS[f.name])
-        elif value is not None:
-            flags += [ENGINE_FLAGS[f.name], str(value)]
-    return flags
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 import argparse
 
-from meridian.serve import engine_flags, worker_command
-from meridian.worker.arguments import add_engine_arguments, engine_settings
+from meridian.serve import worker_command
+from meridian.worker.arguments import add_engine_arguments, engine_flags, engine_settings
 from meridian.worker.engine.llm_engine import EngineSettings
 
 

@@ -2,9 +2,25 @@
 
 import argparse
 import re
+from dataclasses import fields
 
 from meridian.worker.engine.llm_engine import DTYPES, EngineSettings
 from meridian.worker.loaders import DEFAULT_MODEL
+
+# EngineSettings field -> its flag below (booleans: the flag that turns the default off). Kept
+# beside the flags so that a new one is added to both; `engine_flags` round-trips through them.
+ENGINE_FLAGS = {
+    "model": "--model",
+    "dtype": "--dtype",
+    "device": "--device",
+    "block_size": "--block-size",
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "max_model_len": "--max-model-len",
+    "kv_cache_memory": "--kv-cache-memory",
+    "enable_prefix_caching": "--no-prefix-caching",
+    "enable_chunked_prefill": "--no-chunked-prefill",
+}
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
 
@@ -80,3 +96,16 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
     )
+
+
+def engine_flags(engine: EngineSettings) -> list[str]:
+    """The flags that `engine_settings` turns back into `engine` (to start a worker with)."""
+    flags = []
+    for f in fields(engine):
+        value = getattr(engine, f.name)
+        if isinstance(value, bool):
+            if not value:
+                flags.append(ENGINE_FLAGS[f.name])
+        elif value is not None:
+            flags += [ENGINE_FLAGS[f.name], str(value)]
+    return flags
