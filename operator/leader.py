@@ -99,24 +99,23 @@ class Lease:
             spec["leaseTransitions"] = spec.get("leaseTransitions", 0) + 1
         spec.update(holderIdentity=self.identity, leaseDurationSeconds=int(self.seconds))
         spec["renewTime"] = now
-        try:
-            self._held = await self.api.request("PUT", self.path, body=lease)
-        except ApiError as error:
-            if error.status == 409:  # someone else wrote first: resourceVersion guards the race
-                return False
-            raise
-        return True
+        return await self._write("PUT", self.path, lease)
 
     async def _renew(self, lease: dict[str, Any], now: str) -> bool:
         """One PUT on top of this holder's own last write; a conflict means look again (GET)."""
         self._held = None
         lease["spec"]["renewTime"] = now
+        return await self._write("PUT", self.path, lease)
+
+    async def _write(self, method: str, path: str, lease: dict[str, Any]) -> bool:
+        """Write the Lease and keep what the API returned as ours. False if someone else wrote
+        first: the resourceVersion (or, creating, the name) makes the slower writer get a 409."""
         try:
-            self._held = await self.api.request("PUT", self.path, body=lease)
+            self._held = await self.api.request(method, path, body=lease)
         except ApiError as error:
-            if error.status != 409:
-                raise
-            return False
+            if error.status == 409:
+                return False
+            raise
         return True
 
     def _expired(self, spec: dict[str, Any]) -> bool:
@@ -139,13 +138,7 @@ class Lease:
                 "leaseTransitions": 0,
             },
         }
-        try:
-            self._held = await self.api.request("POST", self.path.rsplit("/", 1)[0], body=body)
-        except ApiError as error:
-            if error.status == 409:
-                return False
-            raise
-        return True
+        return await self._write("POST", self.path.rsplit("/", 1)[0], body)
 
 
 def _micro_time() -> str:
