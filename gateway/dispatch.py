@@ -1,24 +1,43 @@
-"""Send one Generate request to a worker: route, retry on another worker while nothing has reached
-the client yet, then relay the worker's stream. Both front ends (HTTP and gRPC) go through here.
+"""Send one Generate request where it will be answered soonest: a cached result, a replica of this
+region, or a peer region's gateway; retry elsewhere while nothing has reached the client yet, then
+relay the stream. Both front ends (HTTP and gRPC) go through here.
 
 Errors are `GatewayError`s carrying both an HTTP status and a gRPC code, so each front end answers in
-its own terms. Cancelling the task that reads a `WorkerStream` (the client went away) cancels the
-worker call, and the worker aborts the request in its engine.
+its own terms. Cancelling the task that reads a stream (the client went away) cancels the upstream
+call, and the worker aborts the request in its engine. Every call carries a deadline: the gateway's
+`--request-timeout`, shortened by the client's own.
 """
 
+import asyncio
+import hashlib
 import logging
 import random
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from meridian import metrics
 from meridian.api.v1 import pb
-from meridian.gateway.routing import Reject, RetryBudget, RouteRequest, RoutingPolicy, choose
+from meridian.errors import UserError
+from meridian.gateway.auto_model import AUTO, AutoModel, pick
+from meridian.gateway.ratelimit import AuthError, RateLimiter
+from meridian.gateway.result_cache import ResultCache, cache_key, cacheable
+from meridian.gateway.routing import (
+    CACHE,
+    LOCAL,
+    RETRY,
+    Reject,
+    RetryBudget,
+    RouteRequest,
+    RoutingPolicy,
+    choose,
+)
 from meridian.gateway.workers import WorkerPool
 from meridian.metrics import LABELS
+from meridian.worker.tokenizer import prompt_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +46,9 @@ FINISH_REASONS = {
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_ABORT: "abort",
 }
-# Worker answers that mean "not this worker, not now": another worker may well succeed. (A worker
-# cancels calls only when it is stopped without a drain; our own cancellations never surface here.)
+# Upstream answers that mean "not there, not now": another replica or region may well succeed. (A
+# worker cancels calls only when it is stopped without a drain; our own cancellations never surface
+# here.) All but RESOURCE_EXHAUSTED ("full") also count toward ejecting the upstream.
 RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -37,18 +57,23 @@ RETRYABLE = {
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.CANCELLED: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
-GRPC_CODE = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND}
-GRPC_CODE |= {429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
-METRIC_STATUS = {400: metrics.INVALID, 404: metrics.NOT_FOUND, 429: metrics.REJECTED}
-METRIC_STATUS |= {503: metrics.UNAVAILABLE}
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
-ERROR_TYPES |= {503: "service_unavailable_error"}
+GRPC_CODE = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED}
+GRPC_CODE |= {404: grpc.StatusCode.NOT_FOUND, 429: grpc.StatusCode.RESOURCE_EXHAUSTED}
+GRPC_CODE |= {503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+METRIC_STATUS = {400: metrics.INVALID, 401: metrics.INVALID, 404: metrics.NOT_FOUND}
+METRIC_STATUS |= {429: metrics.REJECTED, 503: metrics.UNAVAILABLE}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error"}
+ERROR_TYPES |= {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
+ERROR_TYPES |= {504: "timeout_error"}
+PREFILL_WEIGHT = 0.1  # EWMA weight of the newest prefill-speed sample
+MIN_PREFILL_SAMPLE = 32  # uncached prompt tokens: shorter prefills are dominated by overheads
 
 
 class GatewayError(Exception):
@@ -59,10 +84,12 @@ class GatewayError(Exception):
         code: str | None = None,
         param: str | None = None,
         retry_after: int | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.http_status, self.code, self.param = http_status, code, param
         self.retry_after = retry_after
+        self.headers = dict(headers or {})  # extra answer headers (rate limits, region)
 
     @property
     def message(self) -> str:
@@ -80,10 +107,15 @@ class GatewayError(Exception):
     def metric_status(self) -> str:
         return METRIC_STATUS.get(self.http_status, metrics.ERROR)
 
+    def http_headers(self) -> dict[str, str]:
+        retry = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+        return {**self.headers, **retry}
+
     def grpc_trailers(self) -> list[tuple[str, str]]:
         tags = [("meridian-error-code", self.code), ("meridian-error-param", self.param)]
         if self.retry_after is not None:
             tags.append(("retry-after", str(self.retry_after)))
+        tags += self.headers.items()
         return [(k, v) for k, v in tags if v]
 
     @classmethod
@@ -105,6 +137,22 @@ class GatewayError(Exception):
         )
 
 
+@dataclass(frozen=True)
+class Where:
+    """Where an answer came from: the x-meridian-* headers and trailers."""
+
+    region: str
+    replica: str
+    route: str
+
+    def headers(self) -> dict[str, str]:
+        return {
+            "x-meridian-region": self.region,
+            "x-meridian-replica": self.replica,
+            "x-meridian-route": self.route,
+        }
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -112,91 +160,342 @@ class Dispatcher:
         policy: RoutingPolicy,
         registry: CollectorRegistry,
         max_attempts: int = 3,
+        request_timeout: float = 600.0,
+        cache: ResultCache | None = None,
+        auto_model: AutoModel | None = None,
+        limiter: RateLimiter | None = None,
+        prefix_affinity: bool = True,
         rng: random.Random | None = None,
     ):
         self.pool, self.policy, self.max_attempts = pool, policy, max_attempts
+        self.request_timeout = request_timeout
+        self.cache, self.auto_model, self.limiter = cache, auto_model, limiter
+        self.prefix_affinity = prefix_affinity  # off: P2C within the region, no prefill costs
         self.rng = rng or random.Random()
         self.budget = RetryBudget()
+        self.spilling: dict[str, bool] = {}  # model -> its last routing decision went to a peer
+        self.prefill_per_token = 0.001  # seconds; measured from local first tokens as they come
         self.retries = Counter(
             "meridian_request_retries",
             "Requests sent to another worker after one failed before the first token.",
             LABELS,
             registry=registry,
         )
+        self.routed = Counter(
+            "meridian_routed_requests",
+            "Requests answered, by the region that served them and the route that took them "
+            "there (local, spill, failover, retry, cache).",
+            (*LABELS, "region", "route"),
+            registry=registry,
+        )
+        self.cache_lookups = Counter(
+            "meridian_result_cache_lookups",
+            "Deterministic requests looked up in the result cache, by result (hit, miss).",
+            ("component", "result"),
+            registry=registry,
+        )
+        self.throttled = Counter(
+            "meridian_throttled_requests",
+            "Requests refused by authentication or a key's limits, by key (the first 8 hex digits "
+            "of its SHA-256; empty when none was valid) and reason (unauthenticated, requests, "
+            "tokens, too_large).",
+            ("component", "key", "reason"),
+            registry=registry,
+        )
+        self.cache_bytes = Gauge(
+            "meridian_result_cache_bytes",
+            "Bytes of results held by the result cache.",
+            ("component",),
+            registry=registry,
+        )
 
-    async def open(self, request) -> "WorkerStream":
-        """Start `request` (pb.GenerateRequest) on a worker and wait for its first response,
-        trying other workers while none has come back. Raises GatewayError."""
+    @property
+    def region(self) -> str:
+        return self.pool.region
+
+    async def open(
+        self, request, deadline: float | None = None, credentials: str | None = None
+    ) -> "Stream":
+        """Start `request` (pb.GenerateRequest) and wait for its first response, trying other
+        upstreams while none has come back. `deadline` (monotonic seconds) shortens the gateway's
+        own; `credentials` is the client's Authorization value, checked here when the gateway has
+        API keys and passed on to a peer gateway. Raises GatewayError."""
+        now = time.monotonic()
+        deadline = min(deadline or now + self.request_timeout, now + self.request_timeout)
+        api_key = self._authenticate(credentials)
+        prompt_ids = await self._prompt_ids(request)
+        charge = self._admit(api_key, request, prompt_ids) if request.hops == 0 else None
+        metadata = (("authorization", credentials),) if credentials else ()
+        try:
+            stream = await self._open(request, prompt_ids, deadline, metadata)
+        except GatewayError as e:
+            if charge is not None:
+                charge.settle(None)
+                e.headers.update(charge.headers)
+            raise
+        stream.charge = charge
+        return stream
+
+    async def _open(self, request, prompt_ids, deadline, metadata) -> "Stream":
+        key = cache_key(request) if self.cache is not None and request.hops == 0 else None
+        if key is not None:
+            cached = self.cache.get(key, time.monotonic())
+            self.cache_lookups.labels("gateway", "hit" if cached else "miss").inc()
+            if cached:
+                self.routed.labels(request.model, "gateway", self.region, CACHE).inc()
+                where = Where(self.region, "result-cache", CACHE)
+                return CachedStream(cached, where, request.request_id)
+        stream = await self._route(request, prompt_ids, deadline, metadata)
+        stream.cache_key = key
+        return stream
+
+    def _authenticate(self, credentials: str | None) -> str | None:
+        if self.limiter is None or not self.limiter.enabled:
+            return None
+        try:
+            return self.limiter.authenticate(credentials)
+        except AuthError as e:
+            self.throttled.labels("gateway", "", "unauthenticated").inc()
+            raise GatewayError(401, str(e), "invalid_api_key") from None
+
+    def _admit(self, api_key: str | None, request, prompt_ids: list[int]) -> "Charge | None":
+        """Charge the key for the request's most tokens (prompt + max_tokens, or what the
+        context window leaves), or refuse it; the charge is settled when the answer ends."""
+        if api_key is None:
+            return None
+        prompt_tokens = len(prompt_ids) or request.ByteSize() // 4
+        if request.sampling.HasField("max_tokens"):
+            estimate = prompt_tokens + request.sampling.max_tokens
+        else:
+            windows = [m.max_model_len for m in self.pool.models() if m.id == request.model]
+            estimate = max(windows or [prompt_tokens])
+        admission = self.limiter.admit(api_key, estimate, time.monotonic())
+        if not admission.allowed:
+            reason = "too_large" if admission.never else "tokens"
+            if not admission.never and "requests" in admission.message:
+                reason = "requests"
+            self.throttled.labels("gateway", _key_id(api_key), reason).inc()
+            if admission.never:
+                raise GatewayError(400, admission.message, "rate_limit_exceeded", "max_tokens")
+            raise GatewayError(
+                429,
+                admission.message,
+                "rate_limit_exceeded",
+                retry_after=admission.retry_after,
+                headers=admission.headers,
+            )
+        return Charge(self.limiter, api_key, estimate, admission.headers)
+
+    async def _route(self, request, prompt_ids, deadline, metadata) -> "UpstreamStream":
         tried: set[str] = set()
         self.budget.record_request(time.monotonic())
         while True:
+            now = time.monotonic()
+            route_request = RouteRequest(
+                request.model,
+                frozenset(tried),
+                tuple(prompt_ids) if self.prefix_affinity else (),
+                request.hops,
+                self.spilling.get(request.model, False),
+            )
             choice = choose(
-                RouteRequest(request.model, frozenset(tried)),
+                route_request,
                 self.pool.snapshot(),
-                time.monotonic(),
+                now,
                 self.policy,
                 self.rng,
+                self.prefill_per_token,
             )
             if isinstance(choice, Reject):
                 raise GatewayError.from_reject(choice)
-            address = choice.address
-            stream = WorkerStream(self.pool, address, request)
+            if deadline <= now:
+                raise GatewayError(504, "the request's deadline passed before it could start")
+            peer = self.pool.is_peer(choice.address)
+            if not tried:
+                self.spilling[request.model] = peer
+            upstream_request = request
+            if peer:
+                upstream_request = pb.GenerateRequest()
+                upstream_request.CopyFrom(request)
+                upstream_request.hops += 1
+            stream = UpstreamStream(self, choice.address, upstream_request, deadline, metadata)
+            route = RETRY if tried else choice.route
             try:
-                await stream.start()
-                return stream
+                await stream.start(route, learn_prefill=not peer and choice.queue_wait == 0.0)
             except grpc.aio.AioRpcError as e:
                 if e.code() not in RETRYABLE:
                     raise GatewayError.from_rpc(e) from None
-                self.pool.mark_unavailable(address)
-                tried.add(address)
-                log.info("worker %s refused a request (%s); retrying", address, e.code().name)
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self.pool.failed(choice.address)
+                tried.add(choice.address)
+                log.info("%s refused a request (%s); retrying", choice.address, e.code().name)
                 if len(tried) >= self.max_attempts or not self.budget.try_retry(time.monotonic()):
                     raise GatewayError.from_rpc(e) from None
                 self.retries.labels(request.model, "gateway").inc()
+                continue
+            self.pool.succeeded(choice.address)
+            self.routed.labels(request.model, "gateway", stream.where.region, route).inc()
+            return stream
+
+    async def _prompt_ids(self, request) -> list[int]:
+        """The prompt's token ids when a tokenizer for the model is known (for prefix affinity
+        and the auto model), resolving `model: auto` on the way; else []."""
+        model = request.model
+        if model == AUTO and self.auto_model is not None:
+            model = self.auto_model.small
+        tokenizer = self.pool.tokenizer(model)
+        ids: list[int] = []
+        if tokenizer is not None:
+            try:
+                if request.ByteSize() < 16_384:
+                    ids = prompt_token_ids(tokenizer, request)
+                else:  # long prompts: off the event loop (the tokenizer releases the GIL)
+                    ids = await asyncio.to_thread(prompt_token_ids, tokenizer, request)
+            except UserError:
+                ids = []  # the worker answers with the reason
+        if request.model == AUTO and self.auto_model is not None:
+            prompt_tokens = len(ids) or request.ByteSize() // 4  # about 4 bytes per token
+            max_tokens = request.sampling.max_tokens
+            has_max = request.sampling.HasField("max_tokens")
+            request.model = pick(self.auto_model, prompt_tokens, max_tokens if has_max else None)
+            if request.model != self.auto_model.small:
+                tokenizer = self.pool.tokenizer(request.model)
+                ids = prompt_token_ids(tokenizer, request) if tokenizer and ids else []
+        return ids
+
+    def learn_prefill(self, seconds: float, usage) -> None:
+        """A local request that did not queue reached its first token in `seconds`."""
+        uncached = usage.prompt_tokens - usage.cached_tokens
+        if uncached >= MIN_PREFILL_SAMPLE:
+            sample = seconds / uncached
+            self.prefill_per_token += PREFILL_WEIGHT * (sample - self.prefill_per_token)
+
+    def store(self, key: bytes, responses: list) -> None:
+        if self.cache is not None and cacheable(responses):
+            self.cache.put(key, responses, time.monotonic())
+            self.cache_bytes.labels("gateway").set(self.cache.bytes)
 
 
-class WorkerStream:
-    """One Generate call on one worker. Iterate it for the responses; it is counted against the
-    worker until it ends, and cancelled if its reader goes away."""
+@dataclass
+class Charge:
+    """What a key was charged for one request, settled against its usage when it ends."""
 
-    def __init__(self, pool: WorkerPool, address: str, request):
-        self.pool, self.address = pool, address
-        self._reservation = pool.reserve(address)
-        self._call = pool.stub(address).Generate(request)
+    limiter: RateLimiter
+    key: str
+    estimate: int
+    headers: dict[str, str]
+
+    def settle(self, usage) -> None:
+        used = usage.prompt_tokens + usage.completion_tokens if usage is not None else 0
+        self.limiter.settle(self.key, self.estimate, used, time.monotonic())
+
+
+def _key_id(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
+class UpstreamStream:
+    """One Generate call on one replica or peer gateway. Iterate it for the responses; it is
+    counted against the upstream until it ends, and cancelled if its reader goes away."""
+
+    def __init__(self, dispatcher: Dispatcher, address: str, request, deadline: float, metadata):
+        self.dispatcher, self.address = dispatcher, address
+        self.pool = dispatcher.pool
+        self.cache_key: bytes | None = None
+        self.charge: Charge | None = None
+        self.usage = None  # the latest response's
+        self.where = Where(self.pool.region, address, LOCAL)
+        self._reservation = self.pool.reserve(address)
+        timeout = max(deadline - time.monotonic(), 0.001)
+        self._peer = self.pool.is_peer(address)
+        self._call = self.pool.stub(address).Generate(
+            request, timeout=timeout, metadata=tuple(metadata) if self._peer else None
+        )
         self._first = None
+        self._responses: list | None = None
 
-    async def start(self) -> None:
+    async def start(self, route: str, learn_prefill: bool) -> None:
         self._reservation.__enter__()
+        started = time.monotonic()
         try:
             self._first = await self._read()
+            region, replica = self.pool.region, self.address
+            if self._peer:  # the peer gateway says where it went, before its first response
+                sent = dict(await self._call.initial_metadata() or ())
+                region = sent.get("x-meridian-region", "")
+                replica = sent.get("x-meridian-replica", self.address)
+            self.where = Where(region, replica, route)
         except BaseException:
             self.close()
             raise
+        if learn_prefill and self._first is not None:
+            self.dispatcher.learn_prefill(time.monotonic() - started, self._first.usage)
+
+    @property
+    def model(self) -> str:
+        return self._first.model if self._first is not None else ""
 
     async def __aiter__(self) -> AsyncIterator:
+        responses = []
         try:
             response = self._first
             while response is not None:
+                responses.append(response)
+                self.usage = response.usage
                 yield response
                 response = await self._read()
         except grpc.aio.AioRpcError as e:
             raise GatewayError.from_rpc(e) from None
         finally:
             self.close()
+        if self.cache_key is not None:
+            self.dispatcher.store(self.cache_key, responses)
 
     async def _read(self):
         response = await self._call.read()
         return None if response is grpc.aio.EOF else response
 
     def close(self) -> None:
-        """End the call (a no-op once it has finished) and release the worker's slot."""
+        """End the call (a no-op once it has finished), release the upstream's slot and settle
+        the key's charge."""
         if self._reservation is not None:
             self._call.cancel()
             self._reservation.__exit__(None, None, None)
             self._reservation = None
+            if self.charge is not None:
+                self.charge.settle(self.usage)
 
 
-async def collect(stream: WorkerStream) -> tuple[str, list, object, int]:
+class CachedStream:
+    """A stored answer, replayed as the live one was streamed."""
+
+    def __init__(self, responses: list, where: Where, request_id: str):
+        self.responses, self.where = responses, where
+        for r in responses:
+            r.request_id = request_id
+        self.charge: Charge | None = None
+
+    @property
+    def model(self) -> str:
+        return self.responses[0].model
+
+    async def __aiter__(self) -> AsyncIterator:
+        try:
+            for r in self.responses:
+                yield r
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.charge is not None:
+            self.charge.settle(self.responses[-1].usage)
+            self.charge = None
+
+
+Stream = UpstreamStream | CachedStream
+
+
+async def collect(stream: Stream) -> tuple[str, list, object, int]:
     """Read a stream to its end: (text, logprobs, final usage, finish reason)."""
     text, logprobs, usage, reason = [], [], pb.Usage(), pb.FINISH_REASON_UNSPECIFIED
     async for r in stream:

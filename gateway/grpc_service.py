@@ -1,11 +1,14 @@
-"""`meridian.v1.Inference` on the gateway: Generate is proxied to a worker chosen by the router,
-Models lists what the serving workers serve, and LoadReport sums the region's load (what a peer
-gateway needs to decide whether to forward here)."""
+"""`meridian.v1.Inference` on the gateway: Generate is routed like an HTTP request (and says where it
+went in its metadata), Models lists what this region and its peers serve, Tokenizer relays a
+replica's, and LoadReport sums this region's replicas (what a peer gateway routes on)."""
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
+
+import grpc
 
 from meridian import metrics
 from meridian.api.v1 import pb, pb_grpc
@@ -31,8 +34,15 @@ class GatewayInference(pb_grpc.InferenceServicer):
         request.request_id = request.request_id or uuid.uuid4().hex
         timer = self.metrics.start(request.model or "unknown")
         status, reason = metrics.CANCELLED, None
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        credentials = dict(context.invocation_metadata() or ()).get("authorization")
         try:
-            stream = await self.dispatcher.open(request)
+            stream = await self.dispatcher.open(request, deadline, credentials)
+            where = stream.where.headers()
+            charge = stream.charge.headers if stream.charge else {}
+            await context.send_initial_metadata(tuple({**where, **charge}.items()))
+            context.set_trailing_metadata(tuple(where.items()))
             async for r in stream:
                 timer.tokens(len(r.token_ids), r.usage.prompt_tokens)
                 reason = r.finish_reason or reason
@@ -40,7 +50,8 @@ class GatewayInference(pb_grpc.InferenceServicer):
             status = metrics.OK
         except GatewayError as e:
             status = e.metric_status
-            context.set_trailing_metadata(e.grpc_trailers())
+            region = ("x-meridian-region", self.dispatcher.region)
+            context.set_trailing_metadata([*e.grpc_trailers(), region])
             await context.abort(e.grpc_code, e.message)
         finally:
             timer.finish(status, FINISH_REASONS.get(reason))
@@ -48,13 +59,24 @@ class GatewayInference(pb_grpc.InferenceServicer):
     async def Models(self, request, context):
         return pb.ModelsResponse(models=self.pool.models())
 
+    async def Tokenizer(self, request, context):
+        for address, w in self.pool.workers.items():
+            if w.load.state == SERVING and (not request.model or w.load.model == request.model):
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    return await self.pool.stub(address).Tokenizer(request, timeout=30)
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE, f"no replica of {request.model!r} is serving here"
+        )
+
     async def LoadReport(self, request, context) -> AsyncIterator:
         interval = min(max(request.interval_seconds or DEFAULT_REPORT_INTERVAL, 0.05), 60.0)
         sent_hashes = None
         while not self.draining:  # ends the stream, so that a draining gateway can stop
-            load = region_load(self.pool.snapshot(), self.draining)
+            local = [w for w in self.pool.snapshot() if not w.peer]
+            load = region_load(local, self.draining)
+            load.region = self.pool.region
             if request.include_prefix_cache:
-                hashes = frozenset().union(*(w.prefix_hashes for w in self.pool.snapshot()))
+                hashes = frozenset().union(*(w.prefix_hashes for w in local))
                 if hashes != sent_hashes:
                     load.prefix_cache.block_hashes.extend(sorted(hashes))
                     sent_hashes = hashes
@@ -64,7 +86,7 @@ class GatewayInference(pb_grpc.InferenceServicer):
 
 
 def region_load(workers: list[WorkerLoad], draining: bool = False):
-    """The sum of the workers' loads, as one report (pb.Load). Only workers that are serving or
+    """The sum of the replicas' loads, as one report (pb.Load). Only replicas that are serving or
     finishing requests count; the state is the best of theirs."""
     live = [w for w in workers if w.state in (SERVING, DRAINING)]
     serving = sum(w.state == SERVING for w in workers)

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException
 
 from meridian import __version__, metrics
-from meridian.gateway.dispatch import Dispatcher, GatewayError, WorkerStream, collect
+from meridian.gateway.dispatch import Dispatcher, GatewayError, Stream, collect
 from meridian.gateway.openai_protocol import (
     ChatCompletionRequest,
     ChatFormat,
@@ -65,11 +65,10 @@ def create_app(
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
-        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
         return JSONResponse(
             error_body(exc.message, exc.type, exc.param, exc.code),
             status_code=exc.http_status,
-            headers=headers,
+            headers={**exc.http_headers(), "x-meridian-region": dispatcher.region},
         )
 
     @app.exception_handler(HTTPException)
@@ -82,7 +81,10 @@ def create_app(
     async def generate(request: Request, body, fmt) -> Response:
         timer = request_metrics.start(body.model)
         try:
-            stream = await _until_disconnected(request, dispatcher.open(body.to_pb(fmt.base["id"])))
+            work = dispatcher.open(
+                body.to_pb(fmt.base["id"]), credentials=request.headers.get("authorization")
+            )
+            stream = await _until_disconnected(request, work)
         except GatewayError as e:
             timer.finish(e.metric_status)
             if e.code == "context_length_exceeded":
@@ -94,9 +96,13 @@ def create_app(
         except asyncio.CancelledError:
             timer.finish(metrics.CANCELLED)
             raise
+        fmt.base["model"] = stream.model or body.model  # which model answered `auto`
+        headers = {**stream.where.headers(), **(stream.charge.headers if stream.charge else {})}
         if body.stream:
             events = _sse(stream, fmt, body.include_usage, timer)
-            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(
+                events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers}
+            )
         status, reason = metrics.CANCELLED, None
         try:
             text, logprobs, usage, reason = await _until_disconnected(
@@ -111,7 +117,7 @@ def create_app(
         finally:
             stream.close()
             timer.finish(status, finish_reason(reason) if reason else None)
-        return JSONResponse(fmt.response(text, logprobs, usage, reason))
+        return JSONResponse(fmt.response(text, logprobs, usage, reason), headers=headers)
 
     @app.post("/v1/chat/completions", summary="Create a chat completion")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
@@ -153,7 +159,7 @@ def create_app(
     return app
 
 
-async def _sse(stream: WorkerStream, fmt, include_usage: bool, timer: metrics.RequestTimer):
+async def _sse(stream: Stream, fmt, include_usage: bool, timer: metrics.RequestTimer):
     status, reason, usage = metrics.CANCELLED, None, None
     extra = {"usage": None} if include_usage else {}
     try:
@@ -177,7 +183,7 @@ async def _sse(stream: WorkerStream, fmt, include_usage: bool, timer: metrics.Re
         timer.finish(status, finish_reason(reason) if reason else None)
 
 
-async def _counted(stream: WorkerStream, timer: metrics.RequestTimer):
+async def _counted(stream: Stream, timer: metrics.RequestTimer):
     async for r in stream:
         timer.tokens(len(r.token_ids), r.usage.prompt_tokens)
         yield r

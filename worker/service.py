@@ -23,6 +23,7 @@ from meridian.errors import UserError
 from meridian.worker.engine.async_engine import AsyncEngine, EngineDeadError
 from meridian.worker.engine.llm_engine import RequestOutput
 from meridian.worker.sampling_params import SamplingParams
+from meridian.worker.tokenizer import prompt_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -130,29 +131,8 @@ class InferenceService(pb_grpc.InferenceServicer):
                 code="model_not_found",
                 param="model",
             )
-        ids = self._prompt_ids(request, engine)
+        ids = prompt_token_ids(engine.tokenizer, request)
         return engine, ids, self._sampling_params(request.sampling, len(ids), engine)
-
-    def _prompt_ids(self, request, engine: AsyncEngine) -> list[int]:
-        tokenizer = engine.tokenizer
-        kind = request.WhichOneof("prompt")
-        if kind == "text":
-            ids = tokenizer.encode(request.text)
-        elif kind == "token_ids":
-            ids = list(request.token_ids.ids)
-        elif kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            if not messages:
-                raise UserError("the conversation has no messages")
-            # The template writes any BOS itself, as Hugging Face's apply_chat_template does.
-            ids = tokenizer.encode(
-                tokenizer.apply_chat_template(messages), add_special_tokens=False
-            )
-        else:
-            raise UserError("the request has no prompt: set text, token_ids or chat")
-        if not ids:
-            raise UserError("the prompt is empty")
-        return ids
 
     def _sampling_params(self, p, num_prompt_tokens: int, engine: AsyncEngine) -> SamplingParams:
         # The engine can hold a request only if prompt + output fit both the context window and
@@ -218,15 +198,30 @@ class InferenceService(pb_grpc.InferenceServicer):
     # ---- Models --------------------------------------------------------------------------------
 
     async def Models(self, request, context):
+        await self._loaded(context)
+        model = pb.Model(
+            id=self.model_name, max_model_len=self.engine.engine.max_model_len, created=self.created
+        )
+        return pb.ModelsResponse(models=[model])
+
+    async def Tokenizer(self, request, context):
+        await self._loaded(context)
+        if request.model and request.model != self.model_name:
+            await Rejection(
+                grpc.StatusCode.NOT_FOUND,
+                metrics.NOT_FOUND,
+                f"model {request.model!r} is not served here",
+                code="model_not_found",
+                param="model",
+            ).abort(context)
+        return self.engine.tokenizer.to_pb(self.model_name)
+
+    async def _loaded(self, context) -> None:
         if self.engine is None:
             rejection = Rejection(
                 grpc.StatusCode.UNAVAILABLE, metrics.UNAVAILABLE, "this worker is loading its model"
             )
             await rejection.abort(context)
-        model = pb.Model(
-            id=self.model_name, max_model_len=self.engine.engine.max_model_len, created=self.created
-        )
-        return pb.ModelsResponse(models=[model])
 
     # ---- LoadReport ----------------------------------------------------------------------------
 

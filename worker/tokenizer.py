@@ -130,6 +130,31 @@ class Tokenizer:
             chat_template=template,
         )
 
+    @classmethod
+    def from_pb(cls, r) -> "Tokenizer":
+        """The tokenizer a worker described in a pb.TokenizerResponse (how a gateway gets one)."""
+        return cls(
+            FastTokenizer.from_str(r.tokenizer_json),
+            eos_token_ids=list(r.eos_token_ids),
+            bos_token_id=r.bos_token_id if r.HasField("bos_token_id") else None,
+            add_bos=r.add_bos,
+            chat_template=r.chat_template or None,
+        )
+
+    def to_pb(self, model: str):
+        from meridian.api.v1 import pb
+
+        r = pb.TokenizerResponse(
+            model=model,
+            tokenizer_json=self.fast.to_str(),
+            chat_template=self.chat_template or "",
+            add_bos=self.add_bos,
+            eos_token_ids=self.eos_token_ids,
+        )
+        if self.bos_token_id is not None:
+            r.bos_token_id = self.bos_token_id
+        return r
+
     # ---- use ----------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -161,6 +186,26 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise UserError(f"the model's chat template failed on these messages: {e}") from e
+
+
+def prompt_token_ids(tokenizer: Tokenizer, request) -> list[int]:
+    """The token ids of a pb.GenerateRequest's prompt: the same on a worker and on a gateway."""
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        ids = tokenizer.encode(request.text)
+    elif kind == "token_ids":
+        ids = list(request.token_ids.ids)
+    elif kind == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        if not messages:
+            raise UserError("the conversation has no messages")
+        # The template writes any BOS itself, as Hugging Face's apply_chat_template does.
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    else:
+        raise UserError("the request has no prompt: set text, token_ids or chat")
+    if not ids:
+        raise UserError("the prompt is empty")
+    return ids
 
 
 def _token_text(token) -> str | None:

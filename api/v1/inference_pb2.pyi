@@ -172,7 +172,7 @@ class LoadReportRequest(_message.Message):
     def __init__(self, interval_seconds: _Optional[float] = ..., include_prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("state", "model", "running", "waiting", "max_num_seqs", "kv_blocks_used", "kv_blocks_total", "block_size", "generation_tokens_per_second", "requests_finished_per_second", "prefix_cache", "serving_replicas")
+    __slots__ = ("state", "model", "running", "waiting", "max_num_seqs", "kv_blocks_used", "kv_blocks_total", "block_size", "generation_tokens_per_second", "requests_finished_per_second", "prefix_cache", "serving_replicas", "region")
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class Load(_message.Message):
     REQUESTS_FINISHED_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     SERVING_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
     state: ServingState
     model: str
     running: int
@@ -197,7 +198,30 @@ class Load(_message.Message):
     requests_finished_per_second: float
     prefix_cache: PrefixCache
     serving_replicas: int
-    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., model: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., block_size: _Optional[int] = ..., generation_tokens_per_second: _Optional[float] = ..., requests_finished_per_second: _Optional[float] = ..., prefix_cache: _Optional[_Union[PrefixCache, _Mapping]] = ..., serving_replicas: _Optional[int] = ...) -> None: ...
+    region: str
+    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., model: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., block_size: _Optional[int] = ..., generation_tokens_per_second: _Optional[float] = ..., requests_finished_per_second: _Optional[float] = ..., prefix_cache: _Optional[_Union[PrefixCache, _Mapping]] = ..., serving_replicas: _Optional[int] = ..., region: _Optional[str] = ...) -> None: ...
+
+class TokenizerRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class TokenizerResponse(_message.Message):
+    __slots__ = ("model", "tokenizer_json", "chat_template", "bos_token_id", "add_bos", "eos_token_ids")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    ADD_BOS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tokenizer_json: str
+    chat_template: str
+    bos_token_id: int
+    add_bos: bool
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., add_bos: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefixCache(_message.Message):
     __slots__ = ("block_hashes",)

@@ -49,6 +49,11 @@ class InferenceStub:
                 request_serializer=meridian_dot_v1_dot_inference__pb2.LoadReportRequest.SerializeToString,
                 response_deserializer=meridian_dot_v1_dot_inference__pb2.Load.FromString,
                 _registered_method=True)
+        self.Tokenizer = channel.unary_unary(
+                '/meridian.v1.Inference/Tokenizer',
+                request_serializer=meridian_dot_v1_dot_inference__pb2.TokenizerRequest.SerializeToString,
+                response_deserializer=meridian_dot_v1_dot_inference__pb2.TokenizerResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -78,6 +83,15 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenizer(self, request, context):
+        """The tokenizer and chat template of a served model, so that a gateway can compute a prompt's
+        token ids (and so which of its KV-cache blocks a worker already holds) exactly as the worker
+        will.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +109,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.LoadReport,
                     request_deserializer=meridian_dot_v1_dot_inference__pb2.LoadReportRequest.FromString,
                     response_serializer=meridian_dot_v1_dot_inference__pb2.Load.SerializeToString,
+            ),
+            'Tokenizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenizer,
+                    request_deserializer=meridian_dot_v1_dot_inference__pb2.TokenizerRequest.FromString,
+                    response_serializer=meridian_dot_v1_dot_inference__pb2.TokenizerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +197,33 @@ class Inference:
             '/meridian.v1.Inference/LoadReport',
             meridian_dot_v1_dot_inference__pb2.LoadReportRequest.SerializeToString,
             meridian_dot_v1_dot_inference__pb2.Load.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meridian.v1.Inference/Tokenizer',
+            meridian_dot_v1_dot_inference__pb2.TokenizerRequest.SerializeToString,
+            meridian_dot_v1_dot_inference__pb2.TokenizerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,8 +8,6 @@ import httpx
 import pytest
 from scripted_workers import MODEL, ScriptedWorker, running_gateway, url
 
-from meridian.gateway.routing import DOWN
-
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -140,7 +138,8 @@ def test_refusal_before_the_first_token_is_retried_on_another_worker(run):
             )
             assert len(refusing.calls) == 1 and len(good.calls) == 1
             assert refusing.calls[0].request_id == good.calls[0].request_id
-            assert gw.pool.workers[refusing.address].load.state == DOWN  # until its next report
+            # Ejected for a while (its load reports still say SERVING).
+            assert gw.pool.workers[refusing.address].outlier.ejected(time.monotonic())
             metrics = (await client.get(url(gw, "/metrics"))).text
             assert (
                 'meridian_request_retries_total{component="gateway",model="scripted"} 1.0'

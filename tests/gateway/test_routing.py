@@ -113,7 +113,7 @@ def test_every_worker_full_is_429_with_retry_after_from_drain_rate():
 
 def test_one_open_worker_is_enough():
     workers = [worker("a", running=8, waiting=4), worker("b", running=8, waiting=3)]
-    assert pick(workers) == Route("b")
+    assert pick(workers).address == "b"
 
 
 def test_retry_after_is_bounded_and_has_a_default():
