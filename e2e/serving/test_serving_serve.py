@@ -60,3 +60,27 @@ def test_serve_answers_curl_and_the_sdk_then_stops_on_ctrl_c(log_dir):
                 os.kill(pid, 0)
     finally:
         serve.stop()
+
+
+def test_serve_regions_runs_a_peered_gateway_per_region(log_dir):
+    # The second region's gateway takes the ports after these (free ports are spread out).
+    port, grpc_port = free_port(), free_port()
+    argv = ["serve", "--regions", "east,west", "--port", str(port), "--grpc-port", str(grpc_port)]
+    argv += ["--kv-cache-memory", "256MiB", "--max-model-len", "2048"]
+    serve = Process("serve-regions", argv, log_dir, threads=2)
+    try:
+        serve.wait_until(lambda: "meridian serve: ready" in serve.log(), "ready")
+        assert len(children(serve.pid)) == 2  # one worker per region
+        body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4}
+        for region, http_port in (("east", port), ("west", port + 1)):
+            assert f"region {region}: http://127.0.0.1:{http_port}/v1" in serve.log()
+            r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-meridian-region"] == region
+            assert r.headers["x-meridian-route"] == "local"
+        # Each gateway sees the other region as a serving peer.
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert 'meridian_peer_serving_replicas{component="gateway",region="west"} 1.0' in metrics
+        assert serve.stop(signal.SIGINT, timeout=90) == 0
+    finally:
+        serve.stop()
