@@ -311,7 +311,7 @@ class Dispatcher:
             if deadline <= now:
                 raise GatewayError(504, "the request's deadline passed before it could start")
             peer = self.pool.is_peer(choice.address)
-            if not tried:
+            if not tried and not choice.probe:
                 self.spilling[request.model] = peer
             upstream_request = request
             if peer:
@@ -345,7 +345,9 @@ class Dispatcher:
             model = self.auto_model.small
         tokenizer = self.pool.tokenizer(model)
         ids: list[int] = []
-        if tokenizer is not None:
+        # With one upstream and no key limits or auto model, the ids would change nothing.
+        needed = len(self.pool.upstreams) > 1 or self.auto_model or self.limiter
+        if tokenizer is not None and needed:
             try:
                 if request.ByteSize() < 16_384:
                     ids = prompt_token_ids(tokenizer, request)

@@ -119,6 +119,7 @@ class Route:
     route: str = LOCAL
     cost: float = 0.0  # predicted seconds to first token
     queue_wait: float = 0.0  # of which waiting for a place in the batch
+    probe: bool = False  # sent to a peer to measure it, not because it was predicted faster
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ def choose(
     replica = _pick_replica(local_open, cost, policy, rng)
     if peers_open and rng.random() < policy.probe_share:
         probe = rng.choice(peers_open)
-        return Route(probe.address, SPILL, cost(probe))
+        return Route(probe.address, SPILL, cost(probe), probe=True)
     if peers_open:
         best = min(peers_open, key=cost)
         margin = policy.spill_exit_margin if request.spilling else policy.spill_margin

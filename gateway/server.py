@@ -303,7 +303,7 @@ class Gateway:
             s.request_timeout,
             cache=ResultCache(s.result_cache_size, s.result_cache_ttl),
             auto_model=parse_auto_model(s.auto_model) if s.auto_model else None,
-            limiter=RateLimiter(keys),
+            limiter=RateLimiter(keys) if keys else None,
             prefix_affinity=s.prefix_affinity,
         )
         self.servicer = GatewayInference(self.dispatcher, self.pool, self.metrics)

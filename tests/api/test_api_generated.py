@@ -20,6 +20,6 @@ def test_service_is_versioned_and_complete():
 
     service = pb.DESCRIPTOR.services_by_name["Inference"]
     assert service.full_name == "meridian.v1.Inference"
-    assert {m.name for m in service.methods} == {"Generate", "Models", "LoadReport"}
+    assert {m.name for m in service.methods} == {"Generate", "Models", "LoadReport", "Tokenizer"}
     assert service.methods_by_name["Generate"].server_streaming
     assert service.methods_by_name["LoadReport"].server_streaming

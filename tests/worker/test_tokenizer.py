@@ -123,3 +123,16 @@ def test_chat_template_renders_like_transformers(
 def test_malformed_messages_are_a_user_error(tokenizer):
     with pytest.raises(UserError, match="role"):
         tokenizer.apply_chat_template([{"content": "no role"}])
+
+
+def test_the_tokenizer_a_gateway_gets_over_grpc_gives_the_same_prompt_ids(tokenizer):
+    from meridian.api.v1 import pb
+    from meridian.worker.tokenizer import Tokenizer, prompt_token_ids
+
+    wire = pb.TokenizerResponse.FromString(tokenizer.to_pb("m").SerializeToString())
+    remote = Tokenizer.from_pb(wire)
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="What is 2+2? <|im_end|>")])
+    for request in (pb.GenerateRequest(text=s) for s in corpus()[:50] if s):
+        assert prompt_token_ids(remote, request) == prompt_token_ids(tokenizer, request)
+    request = pb.GenerateRequest(chat=chat)
+    assert prompt_token_ids(remote, request) == prompt_token_ids(tokenizer, request)
