@@ -224,7 +224,9 @@ class Dispatcher:
         deadline = min(deadline or now + self.request_timeout, now + self.request_timeout)
         api_key = self._authenticate(credentials)
         prompt_ids = await self._prompt_ids(request)
-        charge = self._admit(api_key, request, prompt_ids) if request.hops == 0 else None
+        # Every gateway charges what it handles, forwarded requests too: `hops` is set by callers,
+        # so trusting it would let any client skip its limits.
+        charge = self._admit(api_key, request, prompt_ids)
         metadata = (("authorization", credentials),) if credentials else ()
         try:
             stream = await self._open(request, prompt_ids, deadline, metadata)
@@ -424,7 +426,8 @@ class UpstreamStream:
             region, replica = self.pool.region, self.address
             if self._peer:  # the peer gateway says where it went, before its first response
                 sent = dict(await self._call.initial_metadata() or ())
-                region = sent.get("x-meridian-region", "")
+                known = self.pool.upstreams[self.address].load.region
+                region = sent.get("x-meridian-region", known)
                 replica = sent.get("x-meridian-replica", self.address)
             self.where = Where(region, replica, route)
         except BaseException:

@@ -57,7 +57,7 @@ class GatewayInference(pb_grpc.InferenceServicer):
             timer.finish(status, FINISH_REASONS.get(reason))
 
     async def Models(self, request, context):
-        return pb.ModelsResponse(models=self.pool.models())
+        return pb.ModelsResponse(models=self.pool.models(request.local_only))
 
     async def Tokenizer(self, request, context):
         for address, w in self.pool.workers.items():

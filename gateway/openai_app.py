@@ -146,11 +146,16 @@ def create_app(
         ]
         return {"object": "list", "data": data}
 
-    @app.get("/health", summary="200 when at least one worker is serving, else 503")
+    @app.get("/health", summary="200 when a worker here or in a peer region is serving, else 503")
     async def health() -> JSONResponse:
-        serving = pool.serving()
-        body = {"status": "ok" if serving else "unavailable", "workers_serving": serving}
-        return JSONResponse(body, status_code=200 if serving else 503)
+        serving, peers = pool.serving(), pool.peers_serving()
+        body = {
+            "status": "ok" if serving or peers else "unavailable",
+            "region": pool.region,
+            "workers_serving": serving,
+            "peers_serving": peers,
+        }
+        return JSONResponse(body, status_code=200 if serving or peers else 503)
 
     @app.get("/metrics", summary="Prometheus metrics", include_in_schema=False)
     async def prometheus() -> Response:

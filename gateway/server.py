@@ -379,11 +379,12 @@ class Gateway:
         await self.pool.close()
 
     async def _track_health(self) -> None:
-        """gRPC health follows the HTTP /health rule: SERVING while some worker serves."""
+        """gRPC health follows the HTTP /health rule: SERVING while some worker here or in a
+        peer region serves."""
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         while True:
-            status = serving if self.pool.serving() else not_serving
+            status = serving if self.pool.serving() or self.pool.peers_serving() else not_serving
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, status)
             await self.pool.changed()

@@ -160,10 +160,12 @@ class WorkerPool:
     def is_peer(self, address: str) -> bool:
         return self.upstreams[address].peer
 
-    def models(self) -> list:
+    def models(self, local_only: bool = False) -> list:
         """Every model some serving replica or peer region serves (pb.Model), one per name."""
         seen: dict[str, object] = {}
         for u in sorted(self.upstreams.values(), key=lambda u: u.peer):  # local entries first
+            if u.peer and local_only:
+                continue
             if u.load.state == SERVING and not u.leaving and not u.own_region:
                 for m in u.models:
                     seen.setdefault(m.id, m)
@@ -172,6 +174,13 @@ class WorkerPool:
     def serving(self) -> int:
         """Local replicas that are SERVING."""
         return sum(u.load.state == SERVING for u in self.workers.values())
+
+    def peers_serving(self) -> int:
+        """Peer gateways whose regions have a SERVING replica."""
+        return sum(
+            u.peer and u.load.state == SERVING and not u.own_region and not u.leaving
+            for u in self.upstreams.values()
+        )
 
     def tokenizer(self, model: str) -> Tokenizer | None:
         """The model's tokenizer once fetched from an upstream that serves it (None until then)."""
@@ -251,7 +260,8 @@ class WorkerPool:
                 report.region,
             )
         if state == SERVING and not u.models:
-            u.models = list((await u.stub.Models(pb.ModelsRequest(), timeout=10)).models)
+            asked = pb.ModelsRequest(local_only=True)
+            u.models = list((await u.stub.Models(asked, timeout=10)).models)
             for m in u.models:
                 self._fetch_tokenizer(m.id, u)
         if state == SERVING and u.load.state == DOWN:

@@ -144,8 +144,10 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ModelsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("local_only",)
+    LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
+    local_only: bool
+    def __init__(self, local_only: _Optional[bool] = ...) -> None: ...
 
 class ModelsResponse(_message.Message):
     __slots__ = ("models",)

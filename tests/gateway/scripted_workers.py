@@ -12,6 +12,7 @@ import time
 import grpc
 
 from meridian.api.v1 import pb, pb_grpc
+from meridian.gateway.routing import SERVING
 from meridian.gateway.server import Gateway, GatewaySettings
 from meridian.net import free_port
 
@@ -20,9 +21,14 @@ MODEL = "scripted"
 
 class ScriptedWorker(pb_grpc.InferenceServicer):
     def __init__(
-        self, mode: str = "serve", tokens: int = 3, running: int = 0, max_num_seqs: int = 8
+        self,
+        mode: str = "serve",
+        tokens: int = 3,
+        running: int = 0,
+        max_num_seqs: int = 8,
+        model: str = MODEL,
     ):
-        self.mode, self.tokens = mode, tokens
+        self.mode, self.tokens, self.model = mode, tokens, model
         self.running, self.max_num_seqs = running, max_num_seqs
         self.requests_per_second = 0.0
         self.state = pb.SERVING_STATE_SERVING
@@ -47,7 +53,7 @@ class ScriptedWorker(pb_grpc.InferenceServicer):
             text=f"w{i} ",
             finish_reason=pb.FINISH_REASON_LENGTH if last else pb.FINISH_REASON_UNSPECIFIED,
             usage=pb.Usage(prompt_tokens=4, completion_tokens=i + 1),
-            model=MODEL,
+            model=self.model,
         )
 
     async def Generate(self, request, context):
@@ -70,13 +76,13 @@ class ScriptedWorker(pb_grpc.InferenceServicer):
             yield self._response(i, last=i == self.tokens - 1)
 
     async def Models(self, request, context):
-        return pb.ModelsResponse(models=[pb.Model(id=MODEL, max_model_len=2048, created=1)])
+        return pb.ModelsResponse(models=[pb.Model(id=self.model, max_model_len=2048, created=1)])
 
     async def LoadReport(self, request, context):
         while True:
             yield pb.Load(
                 state=self.state,
-                model=MODEL,
+                model=self.model,
                 running=self.running,
                 max_num_seqs=self.max_num_seqs,
                 kv_blocks_total=64,
@@ -90,13 +96,19 @@ class ScriptedWorker(pb_grpc.InferenceServicer):
 
 @contextlib.asynccontextmanager
 async def running_gateway(
-    workers: list[ScriptedWorker], wait_serving: int | None = None, **settings
+    workers: list[ScriptedWorker],
+    wait_serving: int | None = None,
+    peer_gateways: tuple[Gateway, ...] = (),
+    **settings,
 ):
+    """A gateway in front of `workers` (started here), with `peer_gateways` (already running) as
+    its peer regions; yielded once the workers and the peers serve."""
     for w in workers:
         await w.start()
     gateway = Gateway(
         GatewaySettings(
             workers=tuple(w.address for w in workers),
+            peers=tuple(f"{p.settings.region}={grpc_address(p)}" for p in peer_gateways),
             http_port=free_port(),
             grpc_port=free_port(),
             report_interval=0.05,
@@ -108,6 +120,7 @@ async def running_gateway(
     try:
         count = len(workers) if wait_serving is None else wait_serving
         await asyncio.wait_for(gateway.pool.wait_serving(count), 10)
+        await asyncio.wait_for(_peers_serving(gateway, len(peer_gateways)), 10)
         yield gateway
     finally:
         await gateway.stop()
@@ -117,3 +130,12 @@ async def running_gateway(
 
 def url(gateway: Gateway, path: str) -> str:
     return f"http://127.0.0.1:{gateway.settings.http_port}{path}"
+
+
+async def _peers_serving(gateway: Gateway, count: int) -> None:
+    while sum(u.peer and u.load.state == SERVING for u in gateway.pool.upstreams.values()) < count:
+        await gateway.pool.changed()
+
+
+def grpc_address(gateway: Gateway) -> str:
+    return f"127.0.0.1:{gateway.settings.grpc_port}"
