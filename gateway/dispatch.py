@@ -2,32 +2,28 @@
 region, or a peer region's gateway; retry elsewhere while nothing has reached the client yet, then
 relay the stream. Both front ends (HTTP and gRPC) go through here.
 
-Errors are `GatewayError`s carrying both an HTTP status and a gRPC code, so each front end answers in
-its own terms. Cancelling the task that reads a stream (the client went away) cancels the upstream
+Before routing: the client's API key is checked and charged, and `model: auto` is resolved. Errors
+are `GatewayError`s (errors.py); answers are streams (streams.py). Cancelling the task that reads a stream (the client went away) cancels the upstream
 call, and the worker aborts the request in its engine. Every call carries a deadline: the gateway's
 `--request-timeout`, shortened by the client's own.
 """
 
 import asyncio
-import hashlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from meridian import metrics
 from meridian.api.v1 import pb
 from meridian.errors import UserError
 from meridian.gateway.auto_model import AUTO, AutoModel, pick
+from meridian.gateway.errors import GatewayError
 from meridian.gateway.ratelimit import AuthError, RateLimiter
 from meridian.gateway.result_cache import ResultCache, cache_key, cacheable
 from meridian.gateway.routing import (
     CACHE,
-    LOCAL,
     RETRY,
     Reject,
     RetryBudget,
@@ -35,17 +31,13 @@ from meridian.gateway.routing import (
     RoutingPolicy,
     choose,
 )
+from meridian.gateway.streams import CachedStream, Charge, Stream, UpstreamStream, Where, key_id
 from meridian.gateway.workers import WorkerPool
 from meridian.metrics import LABELS
 from meridian.worker.tokenizer import prompt_token_ids
 
 log = logging.getLogger(__name__)
 
-FINISH_REASONS = {
-    pb.FINISH_REASON_STOP: "stop",
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_ABORT: "abort",
-}
 # Upstream answers that mean "not there, not now": another replica or region may well succeed. (A
 # worker cancels calls only when it is stopped without a drain; our own cancellations never surface
 # here.) All but RESOURCE_EXHAUSTED ("full") also count toward ejecting the upstream.
@@ -54,103 +46,8 @@ RETRYABLE = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.CANCELLED,
 }
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.CANCELLED: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
-GRPC_CODE = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED}
-GRPC_CODE |= {404: grpc.StatusCode.NOT_FOUND, 429: grpc.StatusCode.RESOURCE_EXHAUSTED}
-GRPC_CODE |= {503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
-METRIC_STATUS = {400: metrics.INVALID, 401: metrics.INVALID, 404: metrics.NOT_FOUND}
-METRIC_STATUS |= {429: metrics.REJECTED, 503: metrics.UNAVAILABLE}
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error"}
-ERROR_TYPES |= {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
-ERROR_TYPES |= {504: "timeout_error"}
 PREFILL_WEIGHT = 0.1  # EWMA weight of the newest prefill-speed sample
 MIN_PREFILL_SAMPLE = 32  # uncached prompt tokens: shorter prefills are dominated by overheads
-
-
-class GatewayError(Exception):
-    def __init__(
-        self,
-        http_status: int,
-        message: str,
-        code: str | None = None,
-        param: str | None = None,
-        retry_after: int | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.http_status, self.code, self.param = http_status, code, param
-        self.retry_after = retry_after
-        self.headers = dict(headers or {})  # extra answer headers (rate limits, region)
-
-    @property
-    def message(self) -> str:
-        return str(self)
-
-    @property
-    def type(self) -> str:
-        return ERROR_TYPES.get(self.http_status, "server_error")
-
-    @property
-    def grpc_code(self) -> grpc.StatusCode:
-        return GRPC_CODE.get(self.http_status, grpc.StatusCode.INTERNAL)
-
-    @property
-    def metric_status(self) -> str:
-        return METRIC_STATUS.get(self.http_status, metrics.ERROR)
-
-    def http_headers(self) -> dict[str, str]:
-        retry = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
-        return {**self.headers, **retry}
-
-    def grpc_trailers(self) -> list[tuple[str, str]]:
-        tags = [("meridian-error-code", self.code), ("meridian-error-param", self.param)]
-        if self.retry_after is not None:
-            tags.append(("retry-after", str(self.retry_after)))
-        tags += self.headers.items()
-        return [(k, v) for k, v in tags if v]
-
-    @classmethod
-    def from_reject(cls, reject: Reject) -> "GatewayError":
-        code = {404: "model_not_found", 429: "overloaded", 503: "no_healthy_worker"}
-        param = "model" if reject.status == 404 else None
-        return cls(reject.status, reject.message, code[reject.status], param, reject.retry_after)
-
-    @classmethod
-    def from_rpc(cls, e: grpc.aio.AioRpcError) -> "GatewayError":
-        trailers = dict(e.trailing_metadata() or ())
-        retry_after = trailers.get("retry-after")
-        return cls(
-            HTTP_STATUS.get(e.code(), 502),
-            e.details() or e.code().name,
-            trailers.get("meridian-error-code"),
-            trailers.get("meridian-error-param"),
-            int(retry_after) if retry_after and retry_after.isdigit() else None,
-        )
-
-
-@dataclass(frozen=True)
-class Where:
-    """Where an answer came from: the x-meridian-* headers and trailers."""
-
-    region: str
-    replica: str
-    route: str
-
-    def headers(self) -> dict[str, str]:
-        return {
-            "x-meridian-region": self.region,
-            "x-meridian-replica": self.replica,
-            "x-meridian-route": self.route,
-        }
 
 
 class Dispatcher:
@@ -276,7 +173,7 @@ class Dispatcher:
             reason = "too_large" if admission.never else "tokens"
             if not admission.never and "requests" in admission.message:
                 reason = "requests"
-            self.throttled.labels("gateway", _key_id(api_key), reason).inc()
+            self.throttled.labels("gateway", key_id(api_key), reason).inc()
             if admission.never:
                 raise GatewayError(400, admission.message, "rate_limit_exceeded", "max_tokens")
             raise GatewayError(
@@ -378,133 +275,3 @@ class Dispatcher:
         if self.cache is not None and cacheable(responses):
             self.cache.put(key, responses, time.monotonic())
             self.cache_bytes.labels("gateway").set(self.cache.bytes)
-
-
-@dataclass
-class Charge:
-    """What a key was charged for one request, settled against its usage when it ends."""
-
-    limiter: RateLimiter
-    key: str
-    estimate: int
-    headers: dict[str, str]
-
-    def settle(self, usage) -> None:
-        used = usage.prompt_tokens + usage.completion_tokens if usage is not None else 0
-        self.limiter.settle(self.key, self.estimate, used, time.monotonic())
-
-
-def _key_id(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()[:8]
-
-
-class UpstreamStream:
-    """One Generate call on one replica or peer gateway. Iterate it for the responses; it is
-    counted against the upstream until it ends, and cancelled if its reader goes away."""
-
-    def __init__(self, dispatcher: Dispatcher, address: str, request, deadline: float, metadata):
-        self.dispatcher, self.address = dispatcher, address
-        self.pool = dispatcher.pool
-        self.cache_key: bytes | None = None
-        self.charge: Charge | None = None
-        self.usage = None  # the latest response's
-        self.where = Where(self.pool.region, address, LOCAL)
-        self._reservation = self.pool.reserve(address)
-        timeout = max(deadline - time.monotonic(), 0.001)
-        self._peer = self.pool.is_peer(address)
-        self._call = self.pool.stub(address).Generate(
-            request, timeout=timeout, metadata=tuple(metadata) if self._peer else None
-        )
-        self._first = None
-        self._responses: list | None = None
-
-    async def start(self, route: str, learn_prefill: bool) -> None:
-        self._reservation.__enter__()
-        started = time.monotonic()
-        try:
-            self._first = await self._read()
-            region, replica = self.pool.region, self.address
-            if self._peer:  # the peer gateway says where it went, before its first response
-                sent = dict(await self._call.initial_metadata() or ())
-                known = self.pool.upstreams[self.address].load.region
-                region = sent.get("x-meridian-region", known)
-                replica = sent.get("x-meridian-replica", self.address)
-            self.where = Where(region, replica, route)
-        except BaseException:
-            self.close()
-            raise
-        if learn_prefill and self._first is not None:
-            self.dispatcher.learn_prefill(time.monotonic() - started, self._first.usage)
-
-    @property
-    def model(self) -> str:
-        return self._first.model if self._first is not None else ""
-
-    async def __aiter__(self) -> AsyncIterator:
-        responses = []
-        try:
-            response = self._first
-            while response is not None:
-                responses.append(response)
-                self.usage = response.usage
-                yield response
-                response = await self._read()
-        except grpc.aio.AioRpcError as e:
-            raise GatewayError.from_rpc(e) from None
-        finally:
-            self.close()
-        if self.cache_key is not None:
-            self.dispatcher.store(self.cache_key, responses)
-
-    async def _read(self):
-        response = await self._call.read()
-        return None if response is grpc.aio.EOF else response
-
-    def close(self) -> None:
-        """End the call (a no-op once it has finished), release the upstream's slot and settle
-        the key's charge."""
-        if self._reservation is not None:
-            self._call.cancel()
-            self._reservation.__exit__(None, None, None)
-            self._reservation = None
-            if self.charge is not None:
-                self.charge.settle(self.usage)
-
-
-class CachedStream:
-    """A stored answer, replayed as the live one was streamed."""
-
-    def __init__(self, responses: list, where: Where, request_id: str):
-        self.responses, self.where = responses, where
-        for r in responses:
-            r.request_id = request_id
-        self.charge: Charge | None = None
-
-    @property
-    def model(self) -> str:
-        return self.responses[0].model
-
-    async def __aiter__(self) -> AsyncIterator:
-        try:
-            for r in self.responses:
-                yield r
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        if self.charge is not None:
-            self.charge.settle(self.responses[-1].usage)
-            self.charge = None
-
-
-Stream = UpstreamStream | CachedStream
-
-
-async def collect(stream: Stream) -> tuple[str, list, object, int]:
-    """Read a stream to its end: (text, logprobs, final usage, finish reason)."""
-    text, logprobs, usage, reason = [], [], pb.Usage(), pb.FINISH_REASON_UNSPECIFIED
-    async for r in stream:
-        text.append(r.text)
-        logprobs.extend(r.logprobs)
-        usage, reason = r.usage, r.finish_reason or reason
-    return "".join(text), logprobs, usage, reason

@@ -12,8 +12,10 @@ import grpc
 
 from meridian import metrics
 from meridian.api.v1 import pb, pb_grpc
-from meridian.gateway.dispatch import FINISH_REASONS, Dispatcher, GatewayError
+from meridian.gateway.dispatch import Dispatcher
+from meridian.gateway.errors import GatewayError
 from meridian.gateway.routing import DRAINING, SERVING, STARTING, WorkerLoad
+from meridian.gateway.streams import FINISH_REASONS
 from meridian.gateway.workers import WorkerPool
 
 DEFAULT_REPORT_INTERVAL = 0.5  # seconds

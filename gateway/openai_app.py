@@ -19,7 +19,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException
 
 from meridian import __version__, metrics
-from meridian.gateway.dispatch import Dispatcher, GatewayError, Stream, collect
+from meridian.gateway.dispatch import Dispatcher
+from meridian.gateway.errors import GatewayError
 from meridian.gateway.openai_protocol import (
     ChatCompletionRequest,
     ChatFormat,
@@ -27,6 +28,7 @@ from meridian.gateway.openai_protocol import (
     CompletionRequest,
     finish_reason,
 )
+from meridian.gateway.streams import Stream, collect
 from meridian.gateway.workers import WorkerPool
 
 MAX_BODY_BYTES = 32 * 2**20

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from meridian.api.v1 import pb
-from meridian.gateway.dispatch import FINISH_REASONS
+from meridian.gateway.streams import FINISH_REASONS
 
 MAX_STOP = 16
 MAX_SEED = 2**63 - 1

@@ -1,0 +1,87 @@
+"""Errors the gateway answers with: an HTTP status and a gRPC code for each, so that both front ends
+answer in their own terms, with OpenAI's error types and Meridian's error-code trailers."""
+
+import grpc
+
+from meridian import metrics
+from meridian.gateway.routing import Reject
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.CANCELLED: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+GRPC_CODE = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED}
+GRPC_CODE |= {404: grpc.StatusCode.NOT_FOUND, 429: grpc.StatusCode.RESOURCE_EXHAUSTED}
+GRPC_CODE |= {503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+METRIC_STATUS = {400: metrics.INVALID, 401: metrics.INVALID, 404: metrics.NOT_FOUND}
+METRIC_STATUS |= {429: metrics.REJECTED, 503: metrics.UNAVAILABLE}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error"}
+ERROR_TYPES |= {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
+ERROR_TYPES |= {504: "timeout_error"}
+
+
+class GatewayError(Exception):
+    def __init__(
+        self,
+        http_status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after: int | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.http_status, self.code, self.param = http_status, code, param
+        self.retry_after = retry_after
+        self.headers = dict(headers or {})  # extra answer headers (rate limits, region)
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+    @property
+    def type(self) -> str:
+        return ERROR_TYPES.get(self.http_status, "server_error")
+
+    @property
+    def grpc_code(self) -> grpc.StatusCode:
+        return GRPC_CODE.get(self.http_status, grpc.StatusCode.INTERNAL)
+
+    @property
+    def metric_status(self) -> str:
+        return METRIC_STATUS.get(self.http_status, metrics.ERROR)
+
+    def http_headers(self) -> dict[str, str]:
+        retry = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+        return {**self.headers, **retry}
+
+    def grpc_trailers(self) -> list[tuple[str, str]]:
+        tags = [("meridian-error-code", self.code), ("meridian-error-param", self.param)]
+        if self.retry_after is not None:
+            tags.append(("retry-after", str(self.retry_after)))
+        tags += self.headers.items()
+        return [(k, v) for k, v in tags if v]
+
+    @classmethod
+    def from_reject(cls, reject: Reject) -> "GatewayError":
+        code = {404: "model_not_found", 429: "overloaded", 503: "no_healthy_worker"}
+        param = "model" if reject.status == 404 else None
+        return cls(reject.status, reject.message, code[reject.status], param, reject.retry_after)
+
+    @classmethod
+    def from_rpc(cls, e: grpc.aio.AioRpcError) -> "GatewayError":
+        trailers = dict(e.trailing_metadata() or ())
+        retry_after = trailers.get("retry-after")
+        return cls(
+            HTTP_STATUS.get(e.code(), 502),
+            e.details() or e.code().name,
+            trailers.get("meridian-error-code"),
+            trailers.get("meridian-error-param"),
+            int(retry_after) if retry_after and retry_after.isdigit() else None,
+        )

@@ -1,0 +1,171 @@
+"""A started answer, as the front ends read it: a live Generate call on a replica or a peer gateway,
+or a result replayed from the cache. Each knows where it came from (the x-meridian-* headers), and
+settles its key's rate-limit charge when it ends."""
+
+import hashlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+
+from meridian.api.v1 import pb
+from meridian.gateway.errors import GatewayError
+from meridian.gateway.ratelimit import RateLimiter
+from meridian.gateway.routing import LOCAL
+
+if TYPE_CHECKING:  # the dispatcher makes the streams; a type only
+    from meridian.gateway.dispatch import Dispatcher
+
+FINISH_REASONS = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where an answer came from: the x-meridian-* headers and trailers."""
+
+    region: str
+    replica: str
+    route: str
+
+    def headers(self) -> dict[str, str]:
+        return {
+            "x-meridian-region": self.region,
+            "x-meridian-replica": self.replica,
+            "x-meridian-route": self.route,
+        }
+
+
+@dataclass
+class Charge:
+    """What a key was charged for one request, settled against its usage when it ends."""
+
+    limiter: RateLimiter
+    key: str
+    estimate: int
+    headers: dict[str, str]
+
+    def settle(self, usage) -> None:
+        used = usage.prompt_tokens + usage.completion_tokens if usage is not None else 0
+        self.limiter.settle(self.key, self.estimate, used, time.monotonic())
+
+
+def key_id(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
+class UpstreamStream:
+    """One Generate call on one replica or peer gateway. Iterate it for the responses; it is
+    counted against the upstream until it ends, and cancelled if its reader goes away."""
+
+    def __init__(self, dispatcher: "Dispatcher", address: str, request, deadline: float, metadata):
+        self.dispatcher, self.address = dispatcher, address
+        self.pool = dispatcher.pool
+        self.cache_key: bytes | None = None
+        self.charge: Charge | None = None
+        self.usage = None  # the latest response's
+        self.where = Where(self.pool.region, address, LOCAL)
+        self._reservation = self.pool.reserve(address)
+        timeout = max(deadline - time.monotonic(), 0.001)
+        self._peer = self.pool.is_peer(address)
+        self._call = self.pool.stub(address).Generate(
+            request, timeout=timeout, metadata=tuple(metadata) if self._peer else None
+        )
+        self._first = None
+        self._responses: list | None = None
+
+    async def start(self, route: str, learn_prefill: bool) -> None:
+        self._reservation.__enter__()
+        started = time.monotonic()
+        try:
+            self._first = await self._read()
+            region, replica = self.pool.region, self.address
+            if self._peer:  # the peer gateway says where it went, before its first response
+                sent = dict(await self._call.initial_metadata() or ())
+                known = self.pool.upstreams[self.address].load.region
+                region = sent.get("x-meridian-region", known)
+                replica = sent.get("x-meridian-replica", self.address)
+            self.where = Where(region, replica, route)
+        except BaseException:
+            self.close()
+            raise
+        if learn_prefill and self._first is not None:
+            self.dispatcher.learn_prefill(time.monotonic() - started, self._first.usage)
+
+    @property
+    def model(self) -> str:
+        return self._first.model if self._first is not None else ""
+
+    async def __aiter__(self) -> AsyncIterator:
+        responses = []
+        try:
+            response = self._first
+            while response is not None:
+                responses.append(response)
+                self.usage = response.usage
+                yield response
+                response = await self._read()
+        except grpc.aio.AioRpcError as e:
+            raise GatewayError.from_rpc(e) from None
+        finally:
+            self.close()
+        if self.cache_key is not None:
+            self.dispatcher.store(self.cache_key, responses)
+
+    async def _read(self):
+        response = await self._call.read()
+        return None if response is grpc.aio.EOF else response
+
+    def close(self) -> None:
+        """End the call (a no-op once it has finished), release the upstream's slot and settle
+        the key's charge."""
+        if self._reservation is not None:
+            self._call.cancel()
+            self._reservation.__exit__(None, None, None)
+            self._reservation = None
+            if self.charge is not None:
+                self.charge.settle(self.usage)
+
+
+class CachedStream:
+    """A stored answer, replayed as the live one was streamed."""
+
+    def __init__(self, responses: list, where: Where, request_id: str):
+        self.responses, self.where = responses, where
+        for r in responses:
+            r.request_id = request_id
+        self.charge: Charge | None = None
+
+    @property
+    def model(self) -> str:
+        return self.responses[0].model
+
+    async def __aiter__(self) -> AsyncIterator:
+        try:
+            for r in self.responses:
+                yield r
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.charge is not None:
+            self.charge.settle(self.responses[-1].usage)
+            self.charge = None
+
+
+Stream = UpstreamStream | CachedStream
+
+
+async def collect(stream: Stream) -> tuple[str, list, object, int]:
+    """Read a stream to its end: (text, logprobs, final usage, finish reason)."""
+    text, logprobs, usage, reason = [], [], pb.Usage(), pb.FINISH_REASON_UNSPECIFIED
+    async for r in stream:
+        text.append(r.text)
+        logprobs.extend(r.logprobs)
+        usage, reason = r.usage, r.finish_reason or reason
+    return "".join(text), logprobs, usage, reason
