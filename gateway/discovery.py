@@ -76,7 +76,7 @@ def parse_static(values: Iterable[str]) -> Source:
         raise UserError("give at least one HOST:PORT address")
     for address in addresses:
         host, _, port = address.rpartition(":")
-        if not host or not _is_port(port):
+        if not host or not _is_port(port) or (":" in host and not host.startswith("[")):
             raise UserError(f"{address!r} is not HOST:PORT (e.g. 10.0.0.5:50051, [fd00::5]:50051)")
     return Source("static", addresses=addresses)
 
@@ -147,12 +147,14 @@ def refresh_after(ttl: float | None) -> float:
 
 def srv_addresses(
     records: Iterable[tuple[str, int]], ips: Mapping[str, Iterable[str]]
-) -> frozenset:
+) -> frozenset[str]:
     """SRV records as (target, port), and each target's IPs -> every IP with its record's port."""
     return frozenset(format_address(ip, port) for target, port in records for ip in ips[target])
 
 
-def slice_addresses(endpoint_slice: kubernetes.client.V1EndpointSlice, port_name: str) -> frozenset:
+def slice_addresses(
+    endpoint_slice: kubernetes.client.V1EndpointSlice, port_name: str
+) -> frozenset[str]:
     """The addresses of a slice's endpoints that are not marked unready, on the named port."""
     ports = endpoint_slice.ports or []
     named = [p.port for p in ports if p.name == port_name]
@@ -239,7 +241,9 @@ def _resolver(nameserver: str | None) -> dns.asyncresolver.Resolver:
     return resolver
 
 
-async def _resolve(resolver: dns.asyncresolver.Resolver, source: Source) -> tuple[frozenset, float]:
+async def _resolve(
+    resolver: dns.asyncresolver.Resolver, source: Source
+) -> tuple[frozenset[str], float]:
     """The source's addresses and the smallest TTL of the answers used."""
     if source.port is not None:
         ips, ttl = await _host_ips(resolver, source.name)
@@ -361,7 +365,12 @@ class SliceFollower:
                 if e.status == 410:  # our resourceVersion is too old to watch from
                     version = None
                     continue
-                failures = self._failed(failures, f"{e.status} {e.reason}")
+                error = f"{e.status} {e.reason}"
+                if e.status == 403:
+                    error += (
+                        " (the gateway needs list and watch on endpointslices.discovery.k8s.io)"
+                    )
+                failures = self._failed(failures, error)
             except (urllib3.exceptions.HTTPError, OSError) as e:
                 failures = self._failed(failures, repr(e))
 
@@ -385,8 +394,7 @@ class SliceFollower:
             return failures
         if not failures:
             log.warning(
-                "discovery %s: Kubernetes API failed, keeping the last addresses: %s (the gateway "
-                "needs list and watch on endpointslices.discovery.k8s.io)",
+                "discovery %s: Kubernetes API failed, keeping the last addresses: %s",
                 self.source,
                 error,
             )

@@ -50,7 +50,9 @@ def test_static_addresses_are_kept_as_given():
     )
 
 
-@pytest.mark.parametrize("value", ["10.0.0.1", ":50051", "host:0", "host:65536", "host:grpc"])
+@pytest.mark.parametrize(
+    "value", ["10.0.0.1", ":50051", "host:0", "host:65536", "host:grpc", "fd00::1:50051"]
+)
 def test_static_address_without_a_usable_port_is_refused(value):
     with pytest.raises(UserError, match=rf"'{value}' is not HOST:PORT \(e.g. 10.0.0.5:50051"):
         parse_static([value])
@@ -208,7 +210,7 @@ def test_watch_events_keep_one_set_per_slice_and_publish_their_union():
     ]
 
 
-# ---- the DNS loop ---------------------------------------------------------------------------------
+# ---- the DNS loop --------------------------------------------------------------------------------
 
 
 class Exhausted(Exception):
