@@ -19,35 +19,34 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from meridian.api.v1 import pb
 from meridian.errors import UserError
 from meridian.gateway.auto_model import AUTO, AutoModel, pick
-from meridian.gateway.errors import GatewayError
+from meridian.gateway.errors import RETRYABLE, GatewayError
 from meridian.gateway.ratelimit import AuthError, RateLimiter
 from meridian.gateway.result_cache import ResultCache, cache_key, cacheable
 from meridian.gateway.routing import (
     CACHE,
     RETRY,
+    SPILL,
+    PrefillSpeed,
     Reject,
     RetryBudget,
     RouteRequest,
     RoutingPolicy,
     choose,
 )
-from meridian.gateway.streams import CachedStream, Charge, Stream, UpstreamStream, Where, key_id
+from meridian.gateway.streams import (
+    CachedStream,
+    Charge,
+    Stream,
+    UpstreamStream,
+    Where,
+    collect,
+    key_id,
+)
 from meridian.gateway.workers import WorkerPool
 from meridian.metrics import LABELS
 from meridian.worker.tokenizer import prompt_token_ids
 
 log = logging.getLogger(__name__)
-
-# Upstream answers that mean "not there, not now": another replica or region may well succeed. (A
-# worker cancels calls only when it is stopped without a drain; our own cancellations never surface
-# here.) All but RESOURCE_EXHAUSTED ("full") also count toward ejecting the upstream.
-RETRYABLE = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.CANCELLED,
-}
-PREFILL_WEIGHT = 0.1  # EWMA weight of the newest prefill-speed sample
-MIN_PREFILL_SAMPLE = 32  # uncached prompt tokens: shorter prefills are dominated by overheads
 
 
 class Dispatcher:
@@ -70,8 +69,8 @@ class Dispatcher:
         self.prefix_affinity = prefix_affinity  # off: P2C within the region, no prefill costs
         self.rng = rng or random.Random()
         self.budget = RetryBudget()
-        self.spilling: dict[str, bool] = {}  # model -> its last routing decision went to a peer
-        self.prefill_per_token = 0.001  # seconds; measured from local first tokens as they come
+        self.spilling: dict[str, bool] = {}  # model -> its last routing decision was a spill
+        self.prefill = PrefillSpeed()  # measured from local first tokens as they come
         self.retries = Counter(
             "meridian_request_retries",
             "Requests sent to another worker after one failed before the first token.",
@@ -185,9 +184,35 @@ class Dispatcher:
             )
         return Charge(self.limiter, api_key, estimate, admission.headers)
 
-    async def _route(self, request, prompt_ids, deadline, metadata) -> "UpstreamStream":
+    async def complete(
+        self, stream: Stream, observe=None
+    ) -> tuple[Stream, tuple[str, list, object, int]]:
+        """Read a whole answer that is sent as one (not streamed): nothing reaches the client
+        before its end, so when the upstream fails midway the request starts again elsewhere.
+        Returns the stream that answered and what `collect` makes of it."""
         tried: set[str] = set()
-        self.budget.record_request(time.monotonic())
+        while True:
+            try:
+                return stream, await collect(stream, observe)
+            except GatewayError as e:
+                if not e.retryable or not isinstance(stream, UpstreamStream):
+                    raise
+                request, prompt_ids, deadline, metadata = stream.origin
+                tried.add(stream.address)
+                log.info("%s failed mid-answer (%s); retrying", stream.address, e.message)
+                if len(tried) >= self.max_attempts or not self.budget.try_retry(time.monotonic()):
+                    raise
+                self.retries.labels(request.model, "gateway").inc()
+                cache_key = stream.cache_key
+                stream = await self._route(request, prompt_ids, deadline, metadata, tried)
+                stream.cache_key = cache_key
+
+    async def _route(
+        self, request, prompt_ids, deadline, metadata, tried: set[str] | None = None
+    ) -> UpstreamStream:
+        tried = set(tried or ())
+        if not tried:
+            self.budget.record_request(time.monotonic())
         while True:
             now = time.monotonic()
             route_request = RouteRequest(
@@ -203,7 +228,7 @@ class Dispatcher:
                 now,
                 self.policy,
                 self.rng,
-                self.prefill_per_token,
+                self.prefill.seconds_per_token,
             )
             if isinstance(choice, Reject):
                 raise GatewayError.from_reject(choice)
@@ -211,13 +236,14 @@ class Dispatcher:
                 raise GatewayError(504, "the request's deadline passed before it could start")
             peer = self.pool.is_peer(choice.address)
             if not tried and not choice.probe:
-                self.spilling[request.model] = peer
+                self.spilling[request.model] = choice.route == SPILL
             upstream_request = request
             if peer:
                 upstream_request = pb.GenerateRequest()
                 upstream_request.CopyFrom(request)
                 upstream_request.hops += 1
             stream = UpstreamStream(self, choice.address, upstream_request, deadline, metadata)
+            stream.origin = (request, prompt_ids, deadline, metadata)
             route = RETRY if tried else choice.route
             try:
                 await stream.start(route, learn_prefill=not peer and choice.queue_wait == 0.0)
@@ -266,10 +292,7 @@ class Dispatcher:
 
     def learn_prefill(self, seconds: float, usage) -> None:
         """A local request that did not queue reached its first token in `seconds`."""
-        uncached = usage.prompt_tokens - usage.cached_tokens
-        if uncached >= MIN_PREFILL_SAMPLE:
-            sample = seconds / uncached
-            self.prefill_per_token += PREFILL_WEIGHT * (sample - self.prefill_per_token)
+        self.prefill.add(usage.prompt_tokens - usage.cached_tokens, seconds)
 
     def store(self, key: bytes, responses: list) -> None:
         if self.cache is not None and cacheable(responses):

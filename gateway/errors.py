@@ -6,6 +6,14 @@ import grpc
 from meridian import metrics
 from meridian.gateway.routing import Reject
 
+# Upstream answers that mean "not there, not now": another replica or region may well succeed. (A
+# worker cancels calls only when it is stopped without a drain; our own cancellations never surface
+# here.) All but RESOURCE_EXHAUSTED ("full") also count toward ejecting the upstream.
+RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.CANCELLED,
+}
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.OUT_OF_RANGE: 400,
@@ -35,11 +43,13 @@ class GatewayError(Exception):
         param: str | None = None,
         retry_after: int | None = None,
         headers: dict[str, str] | None = None,
+        retryable: bool = False,
     ):
         super().__init__(message)
         self.http_status, self.code, self.param = http_status, code, param
         self.retry_after = retry_after
         self.headers = dict(headers or {})  # extra answer headers (rate limits, region)
+        self.retryable = retryable  # the upstream failed; another may succeed
 
     @property
     def message(self) -> str:
@@ -84,4 +94,5 @@ class GatewayError(Exception):
             trailers.get("meridian-error-code"),
             trailers.get("meridian-error-param"),
             int(retry_after) if retry_after and retry_after.isdigit() else None,
+            retryable=e.code() in RETRYABLE,
         )

@@ -4,6 +4,7 @@ replica's, and LoadReport sums this region's replicas (what a peer gateway route
 
 import asyncio
 import contextlib
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -71,20 +72,28 @@ class GatewayInference(pb_grpc.InferenceServicer):
         )
 
     async def LoadReport(self, request, context) -> AsyncIterator:
+        """The region's load at once, then whenever it changes (at most one report per local
+        change) and at least every interval, so that a peer can tell a quiet region from a dead
+        link."""
         interval = min(max(request.interval_seconds or DEFAULT_REPORT_INTERVAL, 0.05), 60.0)
-        sent_hashes = None
+        sent, sent_hashes, sent_at = None, None, -math.inf
         while not self.draining:  # ends the stream, so that a draining gateway can stop
             local = [w for w in self.pool.snapshot() if not w.peer]
             load = region_load(local, self.draining)
             load.region = self.pool.region
+            hashes = sent_hashes
             if request.include_prefix_cache:
                 hashes = frozenset().union(*(w.prefix_hashes for w in local))
+            now = time.monotonic()
+            if load != sent or hashes != sent_hashes or now - sent_at >= interval:
+                sent, sent_at = pb.Load(), now
+                sent.CopyFrom(load)
                 if hashes != sent_hashes:
                     load.prefix_cache.block_hashes.extend(sorted(hashes))
                     sent_hashes = hashes
-            yield load
+                yield load
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.pool.changed(), interval)
+                await asyncio.wait_for(self.pool.local_changed(), interval)
 
 
 def region_load(workers: list[WorkerLoad], draining: bool = False):

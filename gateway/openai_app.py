@@ -11,6 +11,7 @@ import json
 import re
 import time
 import uuid
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,7 +29,7 @@ from meridian.gateway.openai_protocol import (
     CompletionRequest,
     finish_reason,
 )
-from meridian.gateway.streams import Stream, collect
+from meridian.gateway.streams import Stream
 from meridian.gateway.workers import WorkerPool
 
 MAX_BODY_BYTES = 32 * 2**20
@@ -107,9 +108,11 @@ def create_app(
             )
         status, reason = metrics.CANCELLED, None
         try:
-            text, logprobs, usage, reason = await _until_disconnected(
-                request, collect(_counted(stream, timer))
+            # A retry after a failure midway counts the failed attempt's tokens too.
+            stream, (text, logprobs, usage, reason) = await _until_disconnected(
+                request, dispatcher.complete(stream, partial(_observe, timer))
             )
+            headers = {**headers, **stream.where.headers()}  # a retry may have moved it
             status = metrics.OK
         except ClientDisconnected:
             return Response(status_code=499)
@@ -192,8 +195,12 @@ async def _sse(stream: Stream, fmt, include_usage: bool, timer: metrics.RequestT
 
 async def _counted(stream: Stream, timer: metrics.RequestTimer):
     async for r in stream:
-        timer.tokens(len(r.token_ids), r.usage.prompt_tokens)
+        _observe(timer, r)
         yield r
+
+
+def _observe(timer: metrics.RequestTimer, r) -> None:
+    timer.tokens(len(r.token_ids), r.usage.prompt_tokens)
 
 
 def _event(data: dict) -> str:

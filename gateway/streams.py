@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from meridian.api.v1 import pb
-from meridian.gateway.errors import GatewayError
+from meridian.gateway.errors import RETRYABLE, GatewayError
 from meridian.gateway.ratelimit import RateLimiter
 from meridian.gateway.routing import LOCAL
 
@@ -68,6 +68,7 @@ class UpstreamStream:
         self.pool = dispatcher.pool
         self.cache_key: bytes | None = None
         self.charge: Charge | None = None
+        self.origin: tuple = ()  # (request, prompt ids, deadline, metadata): to start it again
         self.usage = None  # the latest response's
         self.where = Where(self.pool.region, address, LOCAL)
         self._reservation = self.pool.reserve(address)
@@ -111,6 +112,8 @@ class UpstreamStream:
                 yield response
                 response = await self._read()
         except grpc.aio.AioRpcError as e:
+            if e.code() in RETRYABLE and e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self.pool.failed(self.address)
             raise GatewayError.from_rpc(e) from None
         finally:
             self.close()
@@ -161,10 +164,13 @@ class CachedStream:
 Stream = UpstreamStream | CachedStream
 
 
-async def collect(stream: Stream) -> tuple[str, list, object, int]:
-    """Read a stream to its end: (text, logprobs, final usage, finish reason)."""
+async def collect(stream: Stream, observe=None) -> tuple[str, list, object, int]:
+    """Read a stream to its end: (text, logprobs, final usage, finish reason). `observe` is called
+    with each response as it comes (metrics)."""
     text, logprobs, usage, reason = [], [], pb.Usage(), pb.FINISH_REASON_UNSPECIFIED
     async for r in stream:
+        if observe is not None:
+            observe(r)
         text.append(r.text)
         logprobs.extend(r.logprobs)
         usage, reason = r.usage, r.finish_reason or reason

@@ -83,6 +83,7 @@ class WorkerPool:
         self._fetching: set[str] = set()
         self._background: set[asyncio.Task] = set()
         self._changed = asyncio.Event()
+        self._local_changed = asyncio.Event()
 
     @property
     def workers(self) -> dict[str, Upstream]:
@@ -113,7 +114,7 @@ class WorkerPool:
         self.upstreams[address] = u
         u.tasks = [asyncio.create_task(self._watch(u)), asyncio.create_task(self._probe(u))]
         log.info("%s %s added", "peer" if peer else "worker", address)
-        self._notify()
+        self._notify(u)
 
     def remove(self, address: str) -> None:
         u = self.upstreams.get(address)
@@ -121,7 +122,7 @@ class WorkerPool:
             return
         log.info("%s %s removed; draining %d request(s)", _kind(u), address, u.in_flight)
         u.leaving = True
-        self._notify()
+        self._notify(u)
         if u.in_flight == 0:
             self._close(u)
 
@@ -190,6 +191,11 @@ class WorkerPool:
         """Return at the next change of any upstream's load, state or membership."""
         await self._changed.wait()
 
+    async def local_changed(self) -> None:
+        """Return at the next change of a local replica's load, state or membership (what this
+        region's report to its peers sums: peers' own reports must not echo back and forth)."""
+        await self._local_changed.wait()
+
     async def wait_serving(self, count: int) -> None:
         """Return once at least `count` local replicas are SERVING."""
         while self.serving() < count:
@@ -220,7 +226,7 @@ class WorkerPool:
             until = u.outlier.ejected_until - time.monotonic()
             log.warning("%s %s ejected for %.1f s", _kind(u), address, until)
             self.ejections[(_kind(u), u.load.region or self.region)] += 1
-            self._notify()
+            self._notify(u)
 
     def succeeded(self, address: str) -> None:
         u = self.upstreams.get(address)
@@ -296,7 +302,7 @@ class WorkerPool:
             if load.state != SERVING:
                 u.models = []  # refetched when it serves again (it may have been replaced)
         u.load = load
-        self._notify()
+        self._notify(u)
 
     async def _probe(self, u: Upstream) -> None:
         """Active health checks; their round trips are the upstream's RTT."""
@@ -335,9 +341,12 @@ class WorkerPool:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _notify(self) -> None:
+    def _notify(self, u: Upstream) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+        if not u.peer:
+            self._local_changed.set()
+            self._local_changed = asyncio.Event()
 
 
 def _kind(u: Upstream) -> str:

@@ -149,7 +149,7 @@ def test_refusal_before_the_first_token_is_retried_on_another_worker(run):
     run(main())
 
 
-def test_failure_after_the_first_token_is_not_retried(run):
+def test_a_stream_that_fails_after_its_first_token_is_not_retried(run):
     async def main():
         breaking, good = ScriptedWorker(mode="break"), ScriptedWorker(running=5)
         async with running_gateway([breaking, good]) as gw, httpx.AsyncClient() as client:
@@ -158,8 +158,21 @@ def test_failure_after_the_first_token_is_not_retried(run):
             assert events[1]["choices"][0]["delta"] == {"content": "w0 "}
             assert events[-1]["error"]["message"] == "worker went away"
             assert good.calls == []
+
+    run(main())
+
+
+def test_an_answer_sent_whole_is_retried_when_its_worker_fails_midway(run):
+    async def main():
+        breaking, good = ScriptedWorker(mode="break"), ScriptedWorker(running=5)
+        async with running_gateway([breaking, good]) as gw, httpx.AsyncClient() as client:
             r = await client.post(url(gw, "/v1/chat/completions"), json=CHAT)
-            assert r.status_code == 503 and r.json()["error"]["message"] == "worker went away"
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == "w0 w1 w2 "
+            assert r.headers["x-meridian-route"] == "retry"
+            assert r.headers["x-meridian-replica"] == good.address
+            assert len(breaking.calls) == 1 and len(good.calls) == 1
+            assert gw.pool.workers[breaking.address].outlier.ejected(time.monotonic())
 
     run(main())
 

@@ -2,6 +2,8 @@
 scripted workers: where an answer was served and how it got there, forwarding at most once, and the
 result cache, API keys and `model: auto` as a client sees them."""
 
+import asyncio
+
 import grpc
 import httpx
 import pytest
@@ -278,5 +280,34 @@ def test_a_peer_is_offered_only_the_models_its_own_workers_serve(run):
             own = await stub.Models(pb.ModelsRequest(local_only=True))
             assert {m.id for m in every.models} == {MODEL, "only-in-c"}
             assert {m.id for m in own.models} == {MODEL}
+
+    run(main())
+
+
+def test_peered_gateways_do_not_echo_load_reports(run):
+    async def main():
+        async with (
+            running_gateway([ScriptedWorker()], region="b") as b,
+            running_gateway([ScriptedWorker()], peer_gateways=(b,), region="a") as a,
+        ):
+            b.pool.add(grpc_address(a), peer=True)  # now each is the other's peer
+            await asyncio.sleep(0.5)
+            async with grpc.aio.insecure_channel(grpc_address(b)) as channel:
+                stream = pb_grpc.InferenceStub(channel).LoadReport(
+                    pb.LoadReportRequest(interval_seconds=0.5)
+                )
+                reports = []
+
+                async def read():
+                    async for report in stream:
+                        reports.append(report)
+
+                reader = asyncio.create_task(read())
+                await asyncio.sleep(1.6)
+                reader.cancel()
+            # The first report and one per interval: b's unchanged worker and a's reports (which
+            # change nothing b sums) send nothing more.
+            assert 2 <= len(reports) <= 5, len(reports)
+            assert reports[0].region == "b" and reports[0].serving_replicas == 1
 
     run(main())

@@ -14,6 +14,7 @@ from meridian.gateway.routing import (
     SERVING,
     SPILL,
     STARTING,
+    PrefillSpeed,
     Reject,
     RetryBudget,
     Route,
@@ -362,3 +363,20 @@ def test_retry_after_counts_full_peers_too():
     result = route([full, full_peer])
     assert isinstance(result, Reject) and result.status == 429
     assert result.retry_after == 2
+
+
+def test_prefill_speed_is_the_marginal_cost_per_token_not_the_step_overhead():
+    speed = PrefillSpeed()
+    assert speed.seconds_per_token == speed.initial  # nothing measured yet
+    # Every first token costs a 150 ms step plus 1 ms per uncached prompt token.
+    for i in range(200):
+        tokens = 20 + (i * 37) % 400
+        speed.add(tokens, 0.150 + 0.001 * tokens)
+    assert speed.seconds_per_token == pytest.approx(0.001, rel=0.05)
+
+
+def test_prefill_speed_needs_prompts_of_different_lengths():
+    speed = PrefillSpeed()
+    for _ in range(50):
+        speed.add(37, 0.2)  # one chat prompt over and over: the slope is unknowable
+    assert speed.seconds_per_token == speed.initial

@@ -1,0 +1,156 @@
+"""The gateway's own cost: latency of 1-token requests direct to a worker, through its region's
+gateway, and through a second gateway that forwards to the first, same run.
+
+One worker, gateway b (region b, that worker) and gateway a (region a, no workers of its own, peer
+b) on 127.0.0.1, with the result cache off. Each request is a gRPC Generate of one greedy token
+from a prompt no earlier request used; the three paths take turns request by request (the order
+rotating), so a machine whose speed drifts slows all three alike. Prints each path's p50/p99; the
+last line is what each gateway adds: through b minus direct (local), through a minus through b
+(peer hop).
+
+    python -P bench/gateway_overhead.py [--requests 300] [--warmup 20]
+"""
+
+import argparse
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from meridian.api.v1 import pb, pb_grpc
+from meridian.net import free_port
+from meridian.worker.loaders import DEFAULT_MODEL
+
+STARTUP_TIMEOUT = 300  # seconds: the worker loads and warms up the model
+
+
+def start(argv: list[str], log: Path) -> subprocess.Popen:
+    # One compute thread for the worker: the gateways need the machine's other core.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-P", "-m", "meridian.cli", *argv],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+
+NO_METRICS = ["--metrics-port", "0"]
+
+
+def gateway_argv(region: str, grpc_port: int, *upstreams: str) -> list[str]:
+    # The result cache is off: every request here must reach a worker.
+    argv = ["gateway", "--region", region, "--result-cache-size", "0", "--drain-timeout", "1"]
+    return [*argv, "--http-port", str(free_port()), "--grpc-port", str(grpc_port), *upstreams]
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def generate(stub, model: str, prompt: str) -> float:
+    """Seconds for one whole 1-token Generate call."""
+    request = pb.GenerateRequest(
+        model=model, text=prompt, sampling=pb.SamplingParams(max_tokens=1, temperature=0)
+    )
+    start = time.perf_counter()
+    for _ in stub.Generate(request, timeout=60):
+        pass
+    return time.perf_counter() - start
+
+
+def wait_answering(stub, model: str, name: str, processes, logs: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while True:
+        try:
+            generate(stub, model, "Hello")
+            return
+        except grpc.RpcError as e:
+            exited = any(process.poll() is not None for process in processes)
+            if exited or time.monotonic() > deadline:
+                raise SystemExit(f"{name} did not answer ({e.code().name}); logs in {logs}") from e
+            time.sleep(0.5)
+
+
+def percentile(samples: list[float], q: float) -> float:
+    return statistics.quantiles(samples, n=100, method="inclusive")[q - 1]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--requests", type=int, default=300, help="measured requests per path")
+    p.add_argument("--warmup", type=int, default=20, help="unmeasured requests per path first")
+    args = p.parse_args()
+    if args.requests < 2 or args.warmup < 0:
+        p.error("--requests must be at least 2 and --warmup at least 0")
+
+    logs = Path(tempfile.mkdtemp(prefix="meridian-gateway-overhead-"))
+    ports = {name: free_port() for name in ("worker", "b", "a")}
+    worker, b, a = (f"127.0.0.1:{ports[name]}" for name in ("worker", "b", "a"))
+    with contextlib.ExitStack() as stack:
+        processes = [
+            start(
+                ["worker", "--model", args.model, "--port", str(ports["worker"]), *NO_METRICS],
+                logs / "worker.log",
+            ),
+            start(gateway_argv("b", ports["b"], "--worker", worker), logs / "gateway-b.log"),
+            start(gateway_argv("a", ports["a"], "--peer", f"b={b}"), logs / "gateway-a.log"),
+        ]
+        for process in processes:
+            stack.callback(stop, process)
+        paths = {}
+        for name, address in (("direct", worker), ("local", b), ("peer hop", a)):
+            channel = stack.enter_context(grpc.insecure_channel(address))
+            paths[name] = pb_grpc.InferenceStub(channel)
+            wait_answering(paths[name], args.model, name, processes, logs)
+        print(
+            f"{args.requests} measured 1-token requests per path ({args.warmup} warm-up), "
+            f"model {args.model}; logs in {logs}",
+            file=sys.stderr,
+        )
+
+        seconds: dict[str, list[float]] = {name: [] for name in paths}
+        names = list(paths)
+        for i in range(args.warmup + args.requests):
+            for name in names[i % 3 :] + names[: i % 3]:
+                took = generate(paths[name], args.model, f"Request {i} via {name}: one word")
+                if i >= args.warmup:
+                    seconds[name].append(took)
+
+    ms = {name: [s * 1000 for s in samples] for name, samples in seconds.items()}
+    p50 = {name: statistics.median(samples) for name, samples in ms.items()}
+    p99 = {name: percentile(samples, 99) for name, samples in ms.items()}
+    labels = {
+        "direct": "direct to the worker",
+        "local": "through gateway b (local)",
+        "peer hop": "through gateway a (peer hop to b)",
+    }
+    for name, label in labels.items():
+        print(f"{label:<36} p50 {p50[name]:7.2f} ms  p99 {p99[name]:7.2f} ms")
+    local = (p50["local"] - p50["direct"], p99["local"] - p99["direct"])
+    hop = (p50["peer hop"] - p50["local"], p99["peer hop"] - p99["local"])
+    print(
+        f"gateway added latency p50/p99: {local[0]:.2f}/{local[1]:.2f} ms (local), "
+        f"{hop[0]:.2f}/{hop[1]:.2f} ms (peer hop)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
