@@ -1,5 +1,8 @@
 """The gateway's meridian.v1 gRPC front end, health and reflection, in front of scripted workers."""
 
+import asyncio
+import time
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -94,5 +97,30 @@ def test_health_reflection_and_models(run):
             assert {"meridian.v1.Inference", "grpc.health.v1.Health"} <= services
             models = await pb_grpc.InferenceStub(ch).Models(pb.ModelsRequest())
             assert [m.id for m in models.models] == [MODEL]
+
+    run(main())
+
+
+@pytest.mark.parametrize("whose", ["client", "gateway"])
+def test_a_deadline_reaches_the_worker(run, whose):
+    # The client's gRPC deadline, or the gateway's own --request-timeout, ends the worker's call.
+    async def main():
+        worker = ScriptedWorker(mode="hang")
+        timeout = {"request_timeout": 0.5} if whose == "gateway" else {}
+        async with running_gateway([worker], **timeout) as gw, channel(gw) as ch:
+            stub = pb_grpc.InferenceStub(ch)
+            call = stub.Generate(
+                pb.GenerateRequest(text="hi"), timeout=0.5 if whose == "client" else None
+            )
+            start = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in call:
+                    pass
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            for _ in range(40):
+                if worker.cancelled_at is not None:
+                    break
+                await asyncio.sleep(0.05)
+            assert worker.cancelled_at is not None and worker.cancelled_at - start < 1.5
 
     run(main())
