@@ -23,7 +23,7 @@ for folder in (E2E, E2E / "operator"):
         sys.path.insert(0, str(folder))
 
 from dns_server import Dnsmasq, dnsmasq_binary  # noqa: E402
-from operator_e2e import CLUSTER, cluster_env  # noqa: E402
+from operator_e2e import cluster_up  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -52,18 +52,8 @@ def kubeconfig() -> Iterator[str]:
         pytest.skip(
             "MERIDIAN_SKIP_CLUSTER=1: EndpointSlice discovery against a real API server NOT run"
         )
-    already_up = pathlib.Path(cluster_env()["STATE_DIR"], "kubeconfig").exists()
-    started = subprocess.run([str(CLUSTER / "up")], capture_output=True, text=True, timeout=600)
-    if started.returncode != 0:
-        pytest.fail(
-            "e2e/cluster/up failed (`make test-e2e` builds the cluster first; "
-            f"or run e2e/cluster/build):\n{started.stderr[-4000:]}"
-        )
-    try:
-        yield started.stdout.strip().splitlines()[-1].removeprefix("export KUBECONFIG=")
-    finally:
-        if not already_up and os.environ.get("MERIDIAN_KEEP_CLUSTER") != "1":
-            subprocess.run([str(CLUSTER / "down")], timeout=120, check=False)
+    with cluster_up() as kubeconfig:
+        yield kubeconfig
 
 
 class Changes:

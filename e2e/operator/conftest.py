@@ -16,12 +16,11 @@ from collections.abc import Iterator
 import pytest
 import yaml
 from operator_e2e import (
-    CLUSTER,
     OPERATOR_NAMESPACE,
     ROOT,
     Kube,
     Operator,
-    cluster_env,
+    cluster_up,
     lease_holder,
     wait_until,
 )
@@ -51,19 +50,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def kube() -> Iterator[Kube]:
     """The e2e cluster, started for this session (and stopped after, unless it was already up)."""
-    already_up = pathlib.Path(cluster_env()["STATE_DIR"], "kubeconfig").exists()
-    started = subprocess.run([str(CLUSTER / "up")], capture_output=True, text=True, timeout=600)
-    if started.returncode != 0:
-        pytest.fail(
-            "e2e/cluster/up failed (`make test-e2e` builds the cluster first; "
-            f"or run e2e/cluster/build):\n{started.stderr[-4000:]}"
-        )
-    kubeconfig = started.stdout.strip().splitlines()[-1].removeprefix("export KUBECONFIG=")
-    try:
+    with cluster_up() as kubeconfig:
         yield Kube(kubeconfig)
-    finally:
-        if not already_up and os.environ.get("MERIDIAN_KEEP_CLUSTER") != "1":
-            subprocess.run([str(CLUSTER / "down")], timeout=120, check=False)
 
 
 @pytest.fixture(scope="session")

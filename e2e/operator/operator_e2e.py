@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -9,9 +10,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -127,6 +129,24 @@ def cluster_env() -> dict[str, str]:
         ["bash", "-c", script], capture_output=True, text=True, check=True
     ).stdout.split()
     return {"KUBE_BIN": kube_bin, "STATE_DIR": state_dir}
+
+
+@contextlib.contextmanager
+def cluster_up() -> Iterator[str]:
+    """The e2e cluster's admin kubeconfig path. Starts the cluster unless it is up, and stops it
+    afterwards unless it was already up or MERIDIAN_KEEP_CLUSTER=1."""
+    already_up = pathlib.Path(cluster_env()["STATE_DIR"], "kubeconfig").exists()
+    started = subprocess.run([str(CLUSTER / "up")], capture_output=True, text=True, timeout=600)
+    if started.returncode != 0:
+        pytest.fail(
+            "e2e/cluster/up failed (`make test-e2e` builds the cluster first; "
+            f"or run e2e/cluster/build):\n{started.stderr[-4000:]}"
+        )
+    try:
+        yield started.stdout.strip().splitlines()[-1].removeprefix("export KUBECONFIG=")
+    finally:
+        if not already_up and os.environ.get("MERIDIAN_KEEP_CLUSTER") != "1":
+            subprocess.run([str(CLUSTER / "down")], timeout=120, check=False)
 
 
 def read_example(name: str) -> dict[str, Any]:
