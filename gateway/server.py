@@ -134,7 +134,7 @@ SPILL_EXIT_MARGIN = 0.05  # seconds: once spilling, a peer keeps requests while 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = GatewaySettings(workers=("localhost:1",))
-    parser.add_argument("--region", default=d.region, help=f"this gateway's region ({d.region})")
+    parser.add_argument("--region", default=d.region, help=f"this gateway's region ({d.region!r})")
     workers = parser.add_argument_group("workers of this region (any mix, each repeatable)")
     workers.add_argument(
         "--worker",
