@@ -6,9 +6,11 @@ b) on 127.0.0.1, with the result cache and the worker's prefix cache off. Each r
 same new prompt (a gRPC Generate of one greedy token) down the three paths, one after the other in
 a rotating order, so the three do the same work in the worker and a machine whose speed drifts
 slows all three alike. The worker's own time (a model step: tens of milliseconds on a CPU) varies
-far more than a gateway's cost, so what a gateway adds is taken per round, as paired differences:
-through b minus direct (local), through a minus through b (peer hop). Prints each path's p50/p99
-and, last, the p50/p99 of those differences.
+far more than a gateway's cost, so what a gateway adds is measured per request: the client's total
+time minus the upstream call's, which the gateway reports in the x-meridian-upstream-ms trailer.
+For "local" that is gateway b's cost; for "peer hop", gateway a's, forwarding to b (whose own cost
+is inside a's upstream call). Prints each path's p50/p99 and, last, the p50/p99 of each gateway's
+cost.
 
     python -P bench/gateway_overhead.py [--requests 300] [--warmup 20]
 """
@@ -63,15 +65,19 @@ def stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def generate(stub, model: str, prompt: str) -> float:
-    """Seconds for one whole 1-token Generate call."""
+def generate(stub, model: str, prompt: str) -> tuple[float, float | None]:
+    """Seconds for one whole 1-token Generate call, and the seconds its upstream call took as the
+    gateway reports it (x-meridian-upstream-ms; None direct to the worker)."""
     request = pb.GenerateRequest(
         model=model, text=prompt, sampling=pb.SamplingParams(max_tokens=1, temperature=0)
     )
     start = time.perf_counter()
-    for _ in stub.Generate(request, timeout=60):
+    call = stub.Generate(request, timeout=60)
+    for _ in call:
         pass
-    return time.perf_counter() - start
+    took = time.perf_counter() - start
+    upstream = dict(call.trailing_metadata() or ()).get("x-meridian-upstream-ms")
+    return took, float(upstream) / 1000 if upstream is not None else None
 
 
 def wait_answering(stub, model: str, name: str, processes, logs: Path) -> None:
@@ -136,33 +142,41 @@ def main() -> int:
         )
 
         seconds: dict[str, list[float]] = {name: [] for name in paths}
+        own: dict[str, list[float]] = {"local": [], "peer hop": []}  # a gateway's own seconds
         names = list(paths)
         for i in range(args.warmup + args.requests):
             for name in names[i % 3 :] + names[: i % 3]:
-                took = generate(paths[name], args.model, f"Request {i}: say one word")
+                took, upstream = generate(paths[name], args.model, f"Request {i}: say one word")
                 if i >= args.warmup:
                     seconds[name].append(took)
+                    if upstream is not None:
+                        own[name].append(took - upstream)
 
     ms = {name: [s * 1000 for s in samples] for name, samples in seconds.items()}
-    p50 = {name: statistics.median(samples) for name, samples in ms.items()}
-    p99 = {name: percentile(samples, 99) for name, samples in ms.items()}
     labels = {
         "direct": "direct to the worker",
         "local": "through gateway b (local)",
         "peer hop": "through gateway a (peer hop to b)",
     }
     for name, label in labels.items():
-        print(f"{label:<36} p50 {p50[name]:7.2f} ms  p99 {p99[name]:7.2f} ms")
-    added = {
-        "local": [g - d for g, d in zip(ms["local"], ms["direct"], strict=True)],
-        "peer hop": [h - g for h, g in zip(ms["peer hop"], ms["local"], strict=True)],
-    }
+        print(
+            f"{label:<36} p50 {statistics.median(ms[name]):7.2f} ms  "
+            f"p99 {percentile(ms[name], 99):7.2f} ms"
+        )
+    # The worker's time swings by tens of ms between identical requests, which would drown a
+    # gateway's cost in a difference of paths; each gateway's own time is measured per request
+    # instead: the client's total minus the upstream call the gateway timed.
+    added = {name: [s * 1000 for s in samples] for name, samples in own.items()}
     print(
         "gateway added latency p50/p99: "
         + ", ".join(
             f"{statistics.median(d):.2f}/{percentile(d, 99):.2f} ms ({name})"
             for name, d in added.items()
         )
+        + "; difference of path medians: "
+        + f"{statistics.median(ms['local']) - statistics.median(ms['direct']):.2f} ms (local), "
+        + f"{statistics.median(ms['peer hop']) - statistics.median(ms['direct']):.2f} ms "
+        + "(peer hop, both gateways)"
     )
     return 0
 

@@ -16,7 +16,7 @@ from meridian.api.v1 import pb, pb_grpc
 from meridian.gateway.dispatch import Dispatcher
 from meridian.gateway.errors import GatewayError
 from meridian.gateway.routing import DRAINING, SERVING, STARTING, WorkerLoad
-from meridian.gateway.streams import FINISH_REASONS
+from meridian.gateway.streams import FINISH_REASONS, upstream_header
 from meridian.gateway.workers import WorkerPool
 
 DEFAULT_REPORT_INTERVAL = 0.5  # seconds
@@ -50,6 +50,7 @@ class GatewayInference(pb_grpc.InferenceServicer):
                 timer.tokens(len(r.token_ids), r.usage.prompt_tokens)
                 reason = r.finish_reason or reason
                 yield r
+            context.set_trailing_metadata(tuple({**where, **upstream_header(stream)}.items()))
             status = metrics.OK
         except GatewayError as e:
             status = e.metric_status

@@ -29,7 +29,7 @@ from meridian.gateway.openai_protocol import (
     CompletionRequest,
     finish_reason,
 )
-from meridian.gateway.streams import Stream
+from meridian.gateway.streams import Stream, upstream_header
 from meridian.gateway.workers import WorkerPool
 
 MAX_BODY_BYTES = 32 * 2**20
@@ -112,7 +112,8 @@ def create_app(
             stream, (text, logprobs, usage, reason) = await _until_disconnected(
                 request, dispatcher.complete(stream, partial(_observe, timer))
             )
-            headers = {**headers, **stream.where.headers()}  # a retry may have moved it
+            # A retry may have moved it; the upstream's time is known now that it has ended.
+            headers = {**headers, **stream.where.headers(), **upstream_header(stream)}
             status = metrics.OK
         except ClientDisconnected:
             return Response(status_code=499)

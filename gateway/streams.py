@@ -74,6 +74,10 @@ class UpstreamStream:
         self._reservation = self.pool.reserve(address)
         timeout = max(deadline - time.monotonic(), 0.001)
         self._peer = self.pool.is_peer(address)
+        self._sent = time.monotonic()
+        # The whole call as the gateway saw it, once it has ended: what the gateway's own cost is
+        # measured against (x-meridian-upstream-ms, like Envoy's x-envoy-upstream-service-time).
+        self.upstream_seconds: float | None = None
         self._call = self.pool.stub(address).Generate(
             request, timeout=timeout, metadata=tuple(metadata) if self._peer else None
         )
@@ -122,7 +126,10 @@ class UpstreamStream:
 
     async def _read(self):
         response = await self._call.read()
-        return None if response is grpc.aio.EOF else response
+        if response is grpc.aio.EOF:
+            self.upstream_seconds = time.monotonic() - self._sent
+            return None
+        return response
 
     def close(self) -> None:
         """End the call (a no-op once it has finished), release the upstream's slot and settle
@@ -140,6 +147,7 @@ class CachedStream:
 
     def __init__(self, responses: list, where: Where, request_id: str):
         self.responses, self.where = responses, where
+        self.upstream_seconds: float | None = None  # no upstream call
         for r in responses:
             r.request_id = request_id
         self.charge: Charge | None = None
@@ -162,6 +170,13 @@ class CachedStream:
 
 
 Stream = UpstreamStream | CachedStream
+
+
+def upstream_header(stream: "Stream") -> dict[str, str]:
+    """x-meridian-upstream-ms once the stream's upstream call has ended (not for a cached one)."""
+    if stream.upstream_seconds is None:
+        return {}
+    return {"x-meridian-upstream-ms": f"{stream.upstream_seconds * 1000:.3f}"}
 
 
 async def collect(stream: Stream, observe=None) -> tuple[str, list, object, int]:

@@ -76,8 +76,14 @@ def test_grpc_metadata_through_a_peer_says_where_it_was_served(run):
                 "x-meridian-replica": worker.address,
                 "x-meridian-route": "failover",
             }
-            for metadata in (await call.initial_metadata(), await call.trailing_metadata()):
-                assert {k: v for k, v in metadata if k.startswith("x-meridian-")} == expected
+            initial, trailing = (
+                dict(await call.initial_metadata()),
+                dict(await call.trailing_metadata()),
+            )
+            assert {k: v for k, v in initial.items() if k.startswith("x-meridian-")} == expected
+            # The trailers add how long the upstream call took, as this gateway timed it.
+            assert float(trailing.pop("x-meridian-upstream-ms")) > 0
+            assert {k: v for k, v in trailing.items() if k.startswith("x-meridian-")} == expected
             assert worker.calls[0].request_id == "r1" and worker.calls[0].hops == 1
 
     run(main())
