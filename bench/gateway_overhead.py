@@ -9,8 +9,9 @@ slows all three alike. The worker's own time (a model step: tens of milliseconds
 far more than a gateway's cost, so what a gateway adds is measured per request: the client's total
 time minus the upstream call's, which the gateway reports in the x-meridian-upstream-ms trailer.
 For "local" that is gateway b's cost; for "peer hop", gateway a's, forwarding to b (whose own cost
-is inside a's upstream call). Prints each path's p50/p99 and, last, the p50/p99 of each gateway's
-cost.
+is inside a's upstream call). The peer: a bare grpc.aio relay (bench/grpc_relay.py), measured the
+same way, the least a Python gRPC proxy costs. Prints each path's p50/p99, the relay's cost and,
+last, each gateway's cost and its ratio to the relay's.
 
     python -P bench/gateway_overhead.py [--requests 300] [--warmup 20]
 """
@@ -32,14 +33,21 @@ from meridian.net import free_port
 from meridian.worker.loaders import DEFAULT_MODEL
 
 STARTUP_TIMEOUT = 300  # seconds: the worker loads and warms up the model
+RELAY = Path(__file__).with_name("grpc_relay.py")
 
 
 def start(argv: list[str], log: Path) -> subprocess.Popen:
+    """`meridian ARGV...`, or with a .py file first, that script."""
     # One compute thread for the worker: the gateways need the machine's other core.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        "-P",
+        *(argv if argv[0].endswith(".py") else ["-m", "meridian.cli", *argv]),
+    ]
     with open(log, "wb") as out:
         return subprocess.Popen(
-            [sys.executable, "-P", "-m", "meridian.cli", *argv],
+            command,
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
@@ -109,8 +117,8 @@ def main() -> int:
         p.error("--requests must be at least 2 and --warmup at least 0")
 
     logs = Path(tempfile.mkdtemp(prefix="meridian-gateway-overhead-"))
-    ports = {name: free_port() for name in ("worker", "b", "a")}
-    worker, b, a = (f"127.0.0.1:{ports[name]}" for name in ("worker", "b", "a"))
+    ports = {name: free_port() for name in ("worker", "b", "a", "relay")}
+    worker, b, a, relay = (f"127.0.0.1:{ports[name]}" for name in ("worker", "b", "a", "relay"))
     with contextlib.ExitStack() as stack:
         processes = [
             start(
@@ -127,11 +135,17 @@ def main() -> int:
             ),
             start(gateway_argv("b", ports["b"], "--worker", worker), logs / "gateway-b.log"),
             start(gateway_argv("a", ports["a"], "--peer", f"b={b}"), logs / "gateway-a.log"),
+            start([str(RELAY), str(ports["relay"]), worker], logs / "relay.log"),
         ]
         for process in processes:
             stack.callback(stop, process)
         paths = {}
-        for name, address in (("direct", worker), ("local", b), ("peer hop", a)):
+        for name, address in (
+            ("direct", worker),
+            ("local", b),
+            ("peer hop", a),
+            ("relay", relay),
+        ):
             channel = stack.enter_context(grpc.insecure_channel(address))
             paths[name] = pb_grpc.InferenceStub(channel)
             wait_answering(paths[name], args.model, name, processes, logs)
@@ -142,10 +156,10 @@ def main() -> int:
         )
 
         seconds: dict[str, list[float]] = {name: [] for name in paths}
-        own: dict[str, list[float]] = {"local": [], "peer hop": []}  # a gateway's own seconds
+        own: dict[str, list[float]] = {"local": [], "peer hop": [], "relay": []}  # own seconds
         names = list(paths)
         for i in range(args.warmup + args.requests):
-            for name in names[i % 3 :] + names[: i % 3]:
+            for name in names[i % len(names) :] + names[: i % len(names)]:
                 took, upstream = generate(paths[name], args.model, f"Request {i}: say one word")
                 if i >= args.warmup:
                     seconds[name].append(took)
@@ -157,6 +171,7 @@ def main() -> int:
         "direct": "direct to the worker",
         "local": "through gateway b (local)",
         "peer hop": "through gateway a (peer hop to b)",
+        "relay": "through a bare grpc.aio relay",
     }
     for name, label in labels.items():
         print(
@@ -167,16 +182,18 @@ def main() -> int:
     # gateway's cost in a difference of paths; each gateway's own time is measured per request
     # instead: the client's total minus the upstream call the gateway timed.
     added = {name: [s * 1000 for s in samples] for name, samples in own.items()}
+    relay = added.pop("relay")
+    print(
+        f"a bare grpc.aio relay (the floor of a Python gRPC proxy) adds p50/p99: "
+        f"{statistics.median(relay):.2f}/{percentile(relay, 99):.2f} ms"
+    )
     print(
         "gateway added latency p50/p99: "
         + ", ".join(
             f"{statistics.median(d):.2f}/{percentile(d, 99):.2f} ms ({name})"
             for name, d in added.items()
         )
-        + "; difference of path medians: "
-        + f"{statistics.median(ms['local']) - statistics.median(ms['direct']):.2f} ms (local), "
-        + f"{statistics.median(ms['peer hop']) - statistics.median(ms['direct']):.2f} ms "
-        + "(peer hop, both gateways)"
+        + f"; p50 over the relay's: {statistics.median(added['local']) / statistics.median(relay):.2f}x"
     )
     return 0
 
