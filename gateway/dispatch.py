@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from meridian.api.v1 import pb
 from meridian.errors import UserError
 from meridian.gateway.auto_model import AUTO, AutoModel, pick
-from meridian.gateway.errors import RETRYABLE, GatewayError
+from meridian.gateway.errors import EJECTING, RETRYABLE, GatewayError
 from meridian.gateway.ratelimit import AuthError, RateLimiter
 from meridian.gateway.result_cache import ResultCache, cache_key, cacheable
 from meridian.gateway.routing import (
@@ -169,9 +169,7 @@ class Dispatcher:
             estimate = max(windows or [prompt_tokens])
         admission = self.limiter.admit(api_key, estimate, time.monotonic())
         if not admission.allowed:
-            reason = "too_large" if admission.never else "tokens"
-            if not admission.never and "requests" in admission.message:
-                reason = "requests"
+            reason = "too_large" if admission.never else admission.limit
             self.throttled.labels("gateway", key_id(api_key), reason).inc()
             if admission.never:
                 raise GatewayError(400, admission.message, "rate_limit_exceeded", "max_tokens")
@@ -198,11 +196,9 @@ class Dispatcher:
                 if not e.retryable or not isinstance(stream, UpstreamStream):
                     raise
                 request, prompt_ids, deadline, metadata = stream.origin
-                tried.add(stream.address)
-                log.info("%s failed mid-answer (%s); retrying", stream.address, e.message)
-                if len(tried) >= self.max_attempts or not self.budget.try_retry(time.monotonic()):
+                log.info("%s failed mid-answer (%s)", stream.address, e.message)
+                if not self._may_retry(tried, stream.address, request.model):
                     raise
-                self.retries.labels(request.model, "gateway").inc()
                 cache_key = stream.cache_key
                 stream = await self._route(request, prompt_ids, deadline, metadata, tried)
                 stream.cache_key = cache_key
@@ -250,17 +246,25 @@ class Dispatcher:
             except grpc.aio.AioRpcError as e:
                 if e.code() not in RETRYABLE:
                     raise GatewayError.from_rpc(e) from None
-                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                if e.code() in EJECTING:
                     self.pool.failed(choice.address)
-                tried.add(choice.address)
-                log.info("%s refused a request (%s); retrying", choice.address, e.code().name)
-                if len(tried) >= self.max_attempts or not self.budget.try_retry(time.monotonic()):
+                log.info("%s refused a request (%s)", choice.address, e.code().name)
+                if not self._may_retry(tried, choice.address, request.model):
                     raise GatewayError.from_rpc(e) from None
-                self.retries.labels(request.model, "gateway").inc()
                 continue
             self.pool.succeeded(choice.address)
             self.routed.labels(request.model, "gateway", stream.where.region, route).inc()
             return stream
+
+    def _may_retry(self, tried: set[str], failed: str, model: str) -> bool:
+        """Note that `failed` failed this request; may it go on elsewhere (attempts left and
+        within the retry budget)?"""
+        tried.add(failed)
+        if len(tried) >= self.max_attempts or not self.budget.try_retry(time.monotonic()):
+            return False
+        self.retries.labels(model, "gateway").inc()
+        log.info("retrying elsewhere (attempt %d)", len(tried) + 1)
+        return True
 
     async def _prompt_ids(self, request) -> list[int]:
         """The prompt's token ids when a tokenizer for the model is known (for prefix affinity
@@ -268,27 +272,31 @@ class Dispatcher:
         model = request.model
         if model == AUTO and self.auto_model is not None:
             model = self.auto_model.small
-        tokenizer = self.pool.tokenizer(model)
-        ids: list[int] = []
         # With one upstream and no key limits or auto model, the ids would change nothing.
         needed = len(self.pool.upstreams) > 1 or self.auto_model or self.limiter
-        if tokenizer is not None and needed:
-            try:
-                if request.ByteSize() < 16_384:
-                    ids = prompt_token_ids(tokenizer, request)
-                else:  # long prompts: off the event loop (the tokenizer releases the GIL)
-                    ids = await asyncio.to_thread(prompt_token_ids, tokenizer, request)
-            except UserError:
-                ids = []  # the worker answers with the reason
+        ids = await self._tokenize(model, request) if needed else []
         if request.model == AUTO and self.auto_model is not None:
             prompt_tokens = len(ids) or request.ByteSize() // 4  # about 4 bytes per token
             max_tokens = request.sampling.max_tokens
             has_max = request.sampling.HasField("max_tokens")
             request.model = pick(self.auto_model, prompt_tokens, max_tokens if has_max else None)
             if request.model != self.auto_model.small:
-                tokenizer = self.pool.tokenizer(request.model)
-                ids = prompt_token_ids(tokenizer, request) if tokenizer and ids else []
+                ids = await self._tokenize(request.model, request)
         return ids
+
+    async def _tokenize(self, model: str, request) -> list[int]:
+        """The prompt's ids with `model`'s tokenizer; [] while it is unknown or when the prompt
+        is one the worker will refuse (it answers with the reason)."""
+        tokenizer = self.pool.tokenizer(model)
+        if tokenizer is None:
+            return []
+        try:
+            if request.ByteSize() < 16_384:
+                return prompt_token_ids(tokenizer, request)
+            # Long prompts: off the event loop (the tokenizer releases the GIL).
+            return await asyncio.to_thread(prompt_token_ids, tokenizer, request)
+        except UserError:
+            return []
 
     def learn_prefill(self, seconds: float, usage) -> None:
         """A local request that did not queue reached its first token in `seconds`."""

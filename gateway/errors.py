@@ -14,6 +14,7 @@ RETRYABLE = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.CANCELLED,
 }
+EJECTING = RETRYABLE - {grpc.StatusCode.RESOURCE_EXHAUSTED}
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.OUT_OF_RANGE: 400,

@@ -16,7 +16,7 @@ from meridian.api.v1 import pb, pb_grpc
 from meridian.gateway.dispatch import Dispatcher
 from meridian.gateway.errors import GatewayError
 from meridian.gateway.routing import DRAINING, SERVING, STARTING, WorkerLoad
-from meridian.gateway.streams import FINISH_REASONS, upstream_header
+from meridian.gateway.streams import FINISH_REASONS, answer_headers
 from meridian.gateway.workers import WorkerPool
 
 DEFAULT_REPORT_INTERVAL = 0.5  # seconds
@@ -42,15 +42,12 @@ class GatewayInference(pb_grpc.InferenceServicer):
         credentials = dict(context.invocation_metadata() or ()).get("authorization")
         try:
             stream = await self.dispatcher.open(request, deadline, credentials)
-            where = stream.where.headers()
-            charge = stream.charge.headers if stream.charge else {}
-            await context.send_initial_metadata(tuple({**where, **charge}.items()))
-            context.set_trailing_metadata(tuple(where.items()))
+            await context.send_initial_metadata(tuple(answer_headers(stream).items()))
             async for r in stream:
                 timer.tokens(len(r.token_ids), r.usage.prompt_tokens)
                 reason = r.finish_reason or reason
                 yield r
-            context.set_trailing_metadata(tuple({**where, **upstream_header(stream)}.items()))
+            context.set_trailing_metadata(tuple(answer_headers(stream).items()))
             status = metrics.OK
         except GatewayError as e:
             status = e.metric_status

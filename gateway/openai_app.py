@@ -29,7 +29,7 @@ from meridian.gateway.openai_protocol import (
     CompletionRequest,
     finish_reason,
 )
-from meridian.gateway.streams import Stream, upstream_header
+from meridian.gateway.streams import Stream, answer_headers
 from meridian.gateway.workers import WorkerPool
 
 MAX_BODY_BYTES = 32 * 2**20
@@ -100,7 +100,7 @@ def create_app(
             timer.finish(metrics.CANCELLED)
             raise
         fmt.base["model"] = stream.model or body.model  # which model answered `auto`
-        headers = {**stream.where.headers(), **(stream.charge.headers if stream.charge else {})}
+        headers = answer_headers(stream)
         if body.stream:
             events = _sse(stream, fmt, body.include_usage, timer)
             return StreamingResponse(
@@ -113,7 +113,7 @@ def create_app(
                 request, dispatcher.complete(stream, partial(_observe, timer))
             )
             # A retry may have moved it; the upstream's time is known now that it has ended.
-            headers = {**headers, **stream.where.headers(), **upstream_header(stream)}
+            headers = {**headers, **answer_headers(stream)}
             status = metrics.OK
         except ClientDisconnected:
             return Response(status_code=499)

@@ -129,6 +129,7 @@ class Admission:
     retry_after: int | None = None  # whole seconds
     never: bool = False
     message: str = ""
+    limit: str = ""  # refused: the limit that refused it ("requests" or "tokens")
 
 
 class RateLimiter:
@@ -172,14 +173,19 @@ class RateLimiter:
                 f"this key's whole limit of {tpm} tokens per minute; lower max_tokens or shorten "
                 "the prompt"
             )
-            return Admission(False, _headers(buckets, now), never=True, message=message)
+            return Admission(
+                False, _headers(buckets, now), never=True, message=message, limit="tokens"
+            )
         waits = {kind: bucket.wait(cost[kind], now) for kind, bucket in buckets.items()}
         if hit := {kind: seconds for kind, seconds in waits.items() if seconds > 0}:
             # The epsilon keeps float residue (30.000000001 s) from adding a whole second.
             retry_after = max(math.ceil(max(hit.values()) - 1e-9), 1)
             limits = " and ".join(f"{int(buckets[kind].capacity)} {kind}" for kind in hit)
             message = f"rate limit of {limits} per minute reached; retry after {retry_after} s"
-            return Admission(False, _headers(buckets, now), retry_after, message=message)
+            limit = max(hit, key=hit.get)  # the one that keeps the key waiting longest
+            return Admission(
+                False, _headers(buckets, now), retry_after, message=message, limit=limit
+            )
         for kind, bucket in buckets.items():
             bucket.take(cost[kind], now)
         return Admission(True, _headers(buckets, now))

@@ -301,7 +301,9 @@ class Gateway:
             self.registry,
             s.max_attempts,
             s.request_timeout,
-            cache=ResultCache(s.result_cache_size, s.result_cache_ttl),
+            cache=ResultCache(s.result_cache_size, s.result_cache_ttl)
+            if s.result_cache_size
+            else None,
             auto_model=parse_auto_model(s.auto_model) if s.auto_model else None,
             limiter=RateLimiter(keys) if keys else None,
             prefix_affinity=s.prefix_affinity,

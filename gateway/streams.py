@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from meridian.api.v1 import pb
-from meridian.gateway.errors import RETRYABLE, GatewayError
+from meridian.gateway.errors import EJECTING, GatewayError
 from meridian.gateway.ratelimit import RateLimiter
 from meridian.gateway.routing import LOCAL
 
@@ -82,11 +82,9 @@ class UpstreamStream:
             request, timeout=timeout, metadata=tuple(metadata) if self._peer else None
         )
         self._first = None
-        self._responses: list | None = None
 
     async def start(self, route: str, learn_prefill: bool) -> None:
         self._reservation.__enter__()
-        started = time.monotonic()
         try:
             self._first = await self._read()
             region, replica = self.pool.region, self.address
@@ -100,7 +98,7 @@ class UpstreamStream:
             self.close()
             raise
         if learn_prefill and self._first is not None:
-            self.dispatcher.learn_prefill(time.monotonic() - started, self._first.usage)
+            self.dispatcher.learn_prefill(time.monotonic() - self._sent, self._first.usage)
 
     @property
     def model(self) -> str:
@@ -116,7 +114,7 @@ class UpstreamStream:
                 yield response
                 response = await self._read()
         except grpc.aio.AioRpcError as e:
-            if e.code() in RETRYABLE and e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            if e.code() in EJECTING:
                 self.pool.failed(self.address)
             raise GatewayError.from_rpc(e) from None
         finally:
@@ -172,11 +170,13 @@ class CachedStream:
 Stream = UpstreamStream | CachedStream
 
 
-def upstream_header(stream: "Stream") -> dict[str, str]:
-    """x-meridian-upstream-ms once the stream's upstream call has ended (not for a cached one)."""
-    if stream.upstream_seconds is None:
-        return {}
-    return {"x-meridian-upstream-ms": f"{stream.upstream_seconds * 1000:.3f}"}
+def answer_headers(stream: "Stream") -> dict[str, str]:
+    """What an answer's headers (gRPC metadata) say: where it went, the key's rate limits, and
+    x-meridian-upstream-ms once the upstream call has ended (never for a cached answer)."""
+    headers = {**stream.where.headers(), **(stream.charge.headers if stream.charge else {})}
+    if stream.upstream_seconds is not None:
+        headers["x-meridian-upstream-ms"] = f"{stream.upstream_seconds * 1000:.3f}"
+    return headers
 
 
 async def collect(stream: Stream, observe=None) -> tuple[str, list, object, int]:

@@ -113,7 +113,7 @@ def test_requests_per_minute_refuses_with_retry_after():
     assert rl.admit("a", 10, now=0).allowed
     assert rl.admit("a", 10, now=0).allowed
     refused = rl.admit("a", 10, now=0)
-    assert not refused.allowed and not refused.never
+    assert not refused.allowed and not refused.never and refused.limit == "requests"
     assert refused.retry_after == 30
     assert "2 requests per minute" in refused.message
     assert rl.admit("a", 10, now=29).retry_after == 1
@@ -124,7 +124,7 @@ def test_tokens_per_minute_refuses_with_retry_after():
     rl = limiter(a=KeyLimits(tokens_per_minute=600))  # 10 tokens back per second
     assert rl.admit("a", 500, now=0).allowed
     refused = rl.admit("a", 200, now=0)  # 100 short
-    assert not refused.allowed and refused.retry_after == 10
+    assert not refused.allowed and refused.retry_after == 10 and refused.limit == "tokens"
     assert "600 tokens per minute" in refused.message
     assert rl.admit("a", 200, now=10).allowed
 
