@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmeridian/v1/inference.proto\x12\x0bmeridian.v1\"\xec\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.meridian.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x11.meridian.v1.ChatH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.meridian.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x0c\n\x04hops\x18\x08 \x01(\rB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"2\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.meridian.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x89\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x04\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xd8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.meridian.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.meridian.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.meridian.v1.Usage\x12\r\n\x05model\x18\x07 \x01(\t\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12$\n\x03top\x18\x04 \x03(\x0b\x32\x17.meridian.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"#\n\rModelsRequest\x12\x12\n\nlocal_only\x18\x01 \x01(\x08\"4\n\x0eModelsResponse\x12\"\n\x06models\x18\x01 \x03(\x0b\x32\x12.meridian.v1.Model\";\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\"K\n\x11LoadReportRequest\x12\x18\n\x10interval_seconds\x18\x01 \x01(\x01\x12\x1c\n\x14include_prefix_cache\x18\x02 \x01(\x08\"\xe2\x02\n\x04Load\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.meridian.v1.ServingState\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12$\n\x1cgeneration_tokens_per_second\x18\t \x01(\x01\x12$\n\x1crequests_finished_per_second\x18\n \x01(\x01\x12.\n\x0cprefix_cache\x18\x0b \x01(\x0b\x32\x18.meridian.v1.PrefixCache\x12\x18\n\x10serving_replicas\x18\x0c \x01(\r\x12\x0e\n\x06region\x18\r \x01(\t\"!\n\x10TokenizerRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xa5\x01\n\x11TokenizerResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x02 \x01(\t\x12\x15\n\rchat_template\x18\x03 \x01(\t\x12\x19\n\x0c\x62os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07\x61\x64\x64_bos\x18\x05 \x01(\x08\x12\x15\n\reos_token_ids\x18\x06 \x03(\rB\x0f\n\r_bos_token_id\"#\n\x0bPrefixCache\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\x9a\x01\n\x0cServingState\x12\x1d\n\x19SERVING_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16SERVING_STATE_STARTING\x10\x01\x12\x19\n\x15SERVING_STATE_SERVING\x10\x02\x12\x1a\n\x16SERVING_STATE_DRAINING\x10\x03\x12\x18\n\x14SERVING_STATE_FAILED\x10\x04\x32\xa8\x02\n\tInference\x12I\n\x08Generate\x12\x1c.meridian.v1.GenerateRequest\x1a\x1d.meridian.v1.GenerateResponse0\x01\x12\x41\n\x06Models\x12\x1a.meridian.v1.ModelsRequest\x1a\x1b.meridian.v1.ModelsResponse\x12\x41\n\nLoadReport\x12\x1e.meridian.v1.LoadReportRequest\x1a\x11.meridian.v1.Load0\x01\x12J\n\tTokenizer\x12\x1d.meridian.v1.TokenizerRequest\x1a\x1e.meridian.v1.TokenizerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmeridian/v1/inference.proto\x12\x0bmeridian.v1\"\xec\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.meridian.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x11.meridian.v1.ChatH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.meridian.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x0c\n\x04hops\x18\x08 \x01(\rB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"2\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.meridian.v1.ChatMessage\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"\x89\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x04\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xd8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.meridian.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.meridian.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.meridian.v1.Usage\x12\r\n\x05model\x18\x07 \x01(\t\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12$\n\x03top\x18\x04 \x03(\x0b\x32\x17.meridian.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"#\n\rModelsRequest\x12\x12\n\nlocal_only\x18\x01 \x01(\x08\"4\n\x0eModelsResponse\x12\"\n\x06models\x18\x01 \x03(\x0b\x32\x12.meridian.v1.Model\";\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\"K\n\x11LoadReportRequest\x12\x18\n\x10interval_seconds\x18\x01 \x01(\x01\x12\x1c\n\x14include_prefix_cache\x18\x02 \x01(\x08\"\xe2\x02\n\x04Load\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.meridian.v1.ServingState\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12$\n\x1cgeneration_tokens_per_second\x18\t \x01(\x01\x12$\n\x1crequests_finished_per_second\x18\n \x01(\x01\x12.\n\x0cprefix_cache\x18\x0b \x01(\x0b\x32\x18.meridian.v1.PrefixCache\x12\x18\n\x10serving_replicas\x18\x0c \x01(\r\x12\x0e\n\x06region\x18\r \x01(\t\"!\n\x10TokenizerRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xa5\x01\n\x11TokenizerResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x02 \x01(\t\x12\x15\n\rchat_template\x18\x03 \x01(\t\x12\x19\n\x0c\x62os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07\x61\x64\x64_bos\x18\x05 \x01(\x08\x12\x15\n\reos_token_ids\x18\x06 \x03(\rB\x0f\n\r_bos_token_id\"#\n\x0bPrefixCache\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xb5\x01\n\x0cServingState\x12\x1d\n\x19SERVING_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16SERVING_STATE_STARTING\x10\x01\x12\x19\n\x15SERVING_STATE_SERVING\x10\x02\x12\x1a\n\x16SERVING_STATE_DRAINING\x10\x03\x12\x18\n\x14SERVING_STATE_FAILED\x10\x04\x12\x19\n\x15SERVING_STATE_STALLED\x10\x05\x32\xa8\x02\n\tInference\x12I\n\x08Generate\x12\x1c.meridian.v1.GenerateRequest\x1a\x1d.meridian.v1.GenerateResponse0\x01\x12\x41\n\x06Models\x12\x1a.meridian.v1.ModelsRequest\x1a\x1b.meridian.v1.ModelsResponse\x12\x41\n\nLoadReport\x12\x1e.meridian.v1.LoadReportRequest\x1a\x11.meridian.v1.Load0\x01\x12J\n\tTokenizer\x12\x1d.meridian.v1.TokenizerRequest\x1a\x1e.meridian.v1.TokenizerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meridian.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1969
-  _globals['_FINISHREASON']._serialized_end=2089
-  _globals['_SERVINGSTATE']._serialized_start=2092
-  _globals['_SERVINGSTATE']._serialized_end=2246
+  _globals['_FINISHREASON']._serialized_start=1983
+  _globals['_FINISHREASON']._serialized_end=2103
+  _globals['_SERVINGSTATE']._serialized_start=2106
+  _globals['_SERVINGSTATE']._serialized_end=2287
   _globals['_GENERATEREQUEST']._serialized_start=45
   _globals['_GENERATEREQUEST']._serialized_end=281
   _globals['_TOKENIDS']._serialized_start=283
@@ -42,33 +42,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHAT']._serialized_start=308
   _globals['_CHAT']._serialized_end=358
   _globals['_CHATMESSAGE']._serialized_start=360
-  _globals['_CHATMESSAGE']._serialized_end=404
-  _globals['_SAMPLINGPARAMS']._serialized_start=407
-  _globals['_SAMPLINGPARAMS']._serialized_end=672
-  _globals['_GENERATERESPONSE']._serialized_start=675
-  _globals['_GENERATERESPONSE']._serialized_end=891
-  _globals['_TOKENLOGPROB']._serialized_start=893
-  _globals['_TOKENLOGPROB']._serialized_end=995
-  _globals['_TOPLOGPROB']._serialized_start=997
-  _globals['_TOPLOGPROB']._serialized_end=1059
-  _globals['_USAGE']._serialized_start=1061
-  _globals['_USAGE']._serialized_end=1141
-  _globals['_MODELSREQUEST']._serialized_start=1143
-  _globals['_MODELSREQUEST']._serialized_end=1178
-  _globals['_MODELSRESPONSE']._serialized_start=1180
-  _globals['_MODELSRESPONSE']._serialized_end=1232
-  _globals['_MODEL']._serialized_start=1234
-  _globals['_MODEL']._serialized_end=1293
-  _globals['_LOADREPORTREQUEST']._serialized_start=1295
-  _globals['_LOADREPORTREQUEST']._serialized_end=1370
-  _globals['_LOAD']._serialized_start=1373
-  _globals['_LOAD']._serialized_end=1727
-  _globals['_TOKENIZERREQUEST']._serialized_start=1729
-  _globals['_TOKENIZERREQUEST']._serialized_end=1762
-  _globals['_TOKENIZERRESPONSE']._serialized_start=1765
-  _globals['_TOKENIZERRESPONSE']._serialized_end=1930
-  _globals['_PREFIXCACHE']._serialized_start=1932
-  _globals['_PREFIXCACHE']._serialized_end=1967
-  _globals['_INFERENCE']._serialized_start=2249
-  _globals['_INFERENCE']._serialized_end=2545
+  _globals['_CHATMESSAGE']._serialized_end=418
+  _globals['_SAMPLINGPARAMS']._serialized_start=421
+  _globals['_SAMPLINGPARAMS']._serialized_end=686
+  _globals['_GENERATERESPONSE']._serialized_start=689
+  _globals['_GENERATERESPONSE']._serialized_end=905
+  _globals['_TOKENLOGPROB']._serialized_start=907
+  _globals['_TOKENLOGPROB']._serialized_end=1009
+  _globals['_TOPLOGPROB']._serialized_start=1011
+  _globals['_TOPLOGPROB']._serialized_end=1073
+  _globals['_USAGE']._serialized_start=1075
+  _globals['_USAGE']._serialized_end=1155
+  _globals['_MODELSREQUEST']._serialized_start=1157
+  _globals['_MODELSREQUEST']._serialized_end=1192
+  _globals['_MODELSRESPONSE']._serialized_start=1194
+  _globals['_MODELSRESPONSE']._serialized_end=1246
+  _globals['_MODEL']._serialized_start=1248
+  _globals['_MODEL']._serialized_end=1307
+  _globals['_LOADREPORTREQUEST']._serialized_start=1309
+  _globals['_LOADREPORTREQUEST']._serialized_end=1384
+  _globals['_LOAD']._serialized_start=1387
+  _globals['_LOAD']._serialized_end=1741
+  _globals['_TOKENIZERREQUEST']._serialized_start=1743
+  _globals['_TOKENIZERREQUEST']._serialized_end=1776
+  _globals['_TOKENIZERRESPONSE']._serialized_start=1779
+  _globals['_TOKENIZERRESPONSE']._serialized_end=1944
+  _globals['_PREFIXCACHE']._serialized_start=1946
+  _globals['_PREFIXCACHE']._serialized_end=1981
+  _globals['_INFERENCE']._serialized_start=2290
+  _globals['_INFERENCE']._serialized_end=2586
 # @@protoc_insertion_point(module_scope)

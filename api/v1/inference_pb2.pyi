@@ -21,6 +21,7 @@ class ServingState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SERVING_STATE_SERVING: _ClassVar[ServingState]
     SERVING_STATE_DRAINING: _ClassVar[ServingState]
     SERVING_STATE_FAILED: _ClassVar[ServingState]
+    SERVING_STATE_STALLED: _ClassVar[ServingState]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -30,6 +31,7 @@ SERVING_STATE_STARTING: ServingState
 SERVING_STATE_SERVING: ServingState
 SERVING_STATE_DRAINING: ServingState
 SERVING_STATE_FAILED: ServingState
+SERVING_STATE_STALLED: ServingState
 
 class GenerateRequest(_message.Message):
     __slots__ = ("model", "text", "token_ids", "chat", "sampling", "request_id", "priority", "hops")
@@ -64,12 +66,14 @@ class Chat(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "name")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    name: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs")

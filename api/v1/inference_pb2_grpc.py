@@ -61,8 +61,8 @@ class InferenceServicer:
 
     def Generate(self, request, context):
         """Generate text for one prompt. The stream carries one response per engine step that produced
-        tokens for this request; the last has `finish_reason` set. Cancelling the call aborts the
-        request in the engine and frees its KV cache.
+        tokens for this request; the last has `finish_reason` set. Cancelling the call, or its deadline
+        passing, aborts the request in the engine and frees its KV cache.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
