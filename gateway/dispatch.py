@@ -2,10 +2,12 @@
 region, or a peer region's gateway; retry elsewhere while nothing has reached the client yet, then
 relay the stream. Both front ends (HTTP and gRPC) go through here.
 
-Before routing: the client's API key is checked and charged, and `model: auto` is resolved. Errors
-are `GatewayError`s (errors.py); answers are streams (streams.py). Cancelling the task that reads a stream (the client went away) cancels the upstream
+Before routing: the client's API key is checked and charged (a caller without one gets priority
+0), and `model: auto` is resolved. Errors are `GatewayError`s (errors.py); answers are streams
+(streams.py). Cancelling the task that reads a stream (the client went away) cancels the upstream
 call, and the worker aborts the request in its engine. Every call carries a deadline: the gateway's
-`--request-timeout`, shortened by the client's own.
+`--request-timeout`, shortened by the client's own. An upstream that sends no first token within
+`--first-token-timeout`, or goes down before it does, loses the request to another.
 """
 
 import asyncio
@@ -19,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from meridian.api.v1 import pb
 from meridian.errors import UserError
 from meridian.gateway.auto_model import AUTO, AutoModel, pick
-from meridian.gateway.errors import EJECTING, RETRYABLE, GatewayError
+from meridian.gateway.errors import EJECTING, GatewayError
 from meridian.gateway.ratelimit import AuthError, RateLimiter
 from meridian.gateway.result_cache import ResultCache, cache_key, cacheable
 from meridian.gateway.routing import (
@@ -57,6 +59,7 @@ class Dispatcher:
         registry: CollectorRegistry,
         max_attempts: int = 3,
         request_timeout: float = 600.0,
+        first_token_timeout: float = 60.0,
         cache: ResultCache | None = None,
         auto_model: AutoModel | None = None,
         limiter: RateLimiter | None = None,
@@ -64,7 +67,7 @@ class Dispatcher:
         rng: random.Random | None = None,
     ):
         self.pool, self.policy, self.max_attempts = pool, policy, max_attempts
-        self.request_timeout = request_timeout
+        self.request_timeout, self.first_token_timeout = request_timeout, first_token_timeout
         self.cache, self.auto_model, self.limiter = cache, auto_model, limiter
         self.prefix_affinity = prefix_affinity  # off: P2C within the region, no prefill costs
         self.rng = rng or random.Random()
@@ -119,6 +122,8 @@ class Dispatcher:
         now = time.monotonic()
         deadline = min(deadline or now + self.request_timeout, now + self.request_timeout)
         api_key = self._authenticate(credentials)
+        if api_key is None:
+            request.priority = 0  # jumping the queue is for callers with a key
         prompt_ids = await self._prompt_ids(request)
         # Every gateway charges what it handles, forwarded requests too: `hops` is set by callers,
         # so trusting it would let any client skip its limits.
@@ -241,16 +246,23 @@ class Dispatcher:
             stream = UpstreamStream(self, choice.address, upstream_request, deadline, metadata)
             stream.origin = (request, prompt_ids, deadline, metadata)
             route = RETRY if tried else choice.route
+            learn_prefill = not peer and choice.queue_wait == 0.0
             try:
-                await stream.start(route, learn_prefill=not peer and choice.queue_wait == 0.0)
+                await stream.start(route, learn_prefill, self.first_token_timeout)
             except grpc.aio.AioRpcError as e:
-                if e.code() not in RETRYABLE:
-                    raise GatewayError.from_rpc(e) from None
+                error = GatewayError.from_rpc(e)
+                if not error.retryable:
+                    raise error from None
                 if e.code() in EJECTING:
                     self.pool.failed(choice.address)
                 log.info("%s refused a request (%s)", choice.address, e.code().name)
                 if not self._may_retry(tried, choice.address, request.model):
-                    raise GatewayError.from_rpc(e) from None
+                    raise error from None
+                continue
+            except GatewayError as e:  # we gave up on it (see UpstreamStream.lose)
+                log.info("%s: %s", choice.address, e.message)
+                if not self._may_retry(tried, choice.address, request.model):
+                    raise
                 continue
             self.pool.succeeded(choice.address)
             self.routed.labels(request.model, "gateway", stream.where.region, route).inc()

@@ -8,7 +8,9 @@ from meridian.gateway.routing import Reject
 
 # Upstream answers that mean "not there, not now": another replica or region may well succeed. (A
 # worker cancels calls only when it is stopped without a drain; our own cancellations never surface
-# here.) All but RESOURCE_EXHAUSTED ("full") also count toward ejecting the upstream.
+# here.) RESOURCE_EXHAUSTED is retried only when it says "overloaded" (a full queue), not for a
+# key's rate limit or a message too large; it never counts toward ejecting the upstream, the others
+# do. A client's error (INVALID_ARGUMENT, NOT_FOUND...) is neither retried nor held against anyone.
 RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -27,12 +29,14 @@ HTTP_STATUS = {
 }
 GRPC_CODE = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED}
 GRPC_CODE |= {404: grpc.StatusCode.NOT_FOUND, 429: grpc.StatusCode.RESOURCE_EXHAUSTED}
+GRPC_CODE |= {413: grpc.StatusCode.RESOURCE_EXHAUSTED}
 GRPC_CODE |= {503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
 METRIC_STATUS = {400: metrics.INVALID, 401: metrics.INVALID, 404: metrics.NOT_FOUND}
+METRIC_STATUS |= {413: metrics.INVALID}
 METRIC_STATUS |= {429: metrics.REJECTED, 503: metrics.UNAVAILABLE}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error"}
 ERROR_TYPES |= {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
-ERROR_TYPES |= {504: "timeout_error"}
+ERROR_TYPES |= {413: "invalid_request_error", 504: "timeout_error"}
 
 
 class GatewayError(Exception):
@@ -89,11 +93,17 @@ class GatewayError(Exception):
     def from_rpc(cls, e: grpc.aio.AioRpcError) -> "GatewayError":
         trailers = dict(e.trailing_metadata() or ())
         retry_after = trailers.get("retry-after")
+        code, status = trailers.get("meridian-error-code"), HTTP_STATUS.get(e.code(), 502)
+        retryable = e.code() in RETRYABLE
+        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            retryable = code == "overloaded"
+            if code is None:  # gRPC's own: a message over a server's size limit
+                status, code = 413, "request_too_large"
         return cls(
-            HTTP_STATUS.get(e.code(), 502),
+            status,
             e.details() or e.code().name,
-            trailers.get("meridian-error-code"),
+            code,
             trailers.get("meridian-error-param"),
             int(retry_after) if retry_after and retry_after.isdigit() else None,
-            retryable=e.code() in RETRYABLE,
+            retryable=retryable,
         )

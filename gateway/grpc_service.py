@@ -35,34 +35,32 @@ class GatewayInference(pb_grpc.InferenceServicer):
         if not request.model and len(models := self.pool.models()) == 1:
             request.model = models[0].id
         request.request_id = request.request_id or uuid.uuid4().hex
-        timer = self.metrics.start(request.model or "unknown")
-        status, reason = metrics.CANCELLED, None
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         credentials = dict(context.invocation_metadata() or ()).get("authorization")
-        try:
-            stream = await self.dispatcher.open(request, deadline, credentials)
-            await context.send_initial_metadata(tuple(answer_headers(stream).items()))
-            async for r in stream:
-                timer.tokens(len(r.token_ids), r.usage.prompt_tokens)
-                reason = r.finish_reason or reason
-                yield r
-            context.set_trailing_metadata(tuple(answer_headers(stream).items()))
-            status = metrics.OK
-        except GatewayError as e:
-            status = e.metric_status
-            region = ("x-meridian-region", self.dispatcher.region)
-            context.set_trailing_metadata([*e.grpc_trailers(), region])
-            await context.abort(e.grpc_code, e.message)
-        finally:
-            timer.finish(status, FINISH_REASONS.get(reason))
+        with self.metrics.start(request.model) as timer:
+            reason = None
+            try:
+                stream = await self.dispatcher.open(request, deadline, credentials)
+                await context.send_initial_metadata(tuple(answer_headers(stream).items()))
+                async for r in stream:
+                    timer.tokens(len(r.token_ids), r.usage.prompt_tokens)
+                    reason = r.finish_reason or reason
+                    yield r
+                context.set_trailing_metadata(tuple(answer_headers(stream).items()))
+                timer.outcome(metrics.OK, FINISH_REASONS.get(reason))
+            except GatewayError as e:
+                timer.outcome(e.metric_status, FINISH_REASONS.get(reason))
+                region = ("x-meridian-region", self.dispatcher.region)
+                context.set_trailing_metadata([*e.grpc_trailers(), region])
+                await context.abort(e.grpc_code, e.message)
 
     async def Models(self, request, context):
         return pb.ModelsResponse(models=self.pool.models(request.local_only))
 
     async def Tokenizer(self, request, context):
         for address, w in self.pool.workers.items():
-            if w.load.state == SERVING and (not request.model or w.load.model == request.model):
+            if w.state == SERVING and (not request.model or w.load.model == request.model):
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     return await self.pool.stub(address).Tokenizer(request, timeout=30)
         await context.abort(

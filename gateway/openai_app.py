@@ -7,7 +7,10 @@ event inside a 200 stream. A client that disconnects cancels the worker call, st
 """
 
 import asyncio
+import contextlib
 import json
+import logging
+import math
 import re
 import time
 import uuid
@@ -17,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from meridian import __version__, metrics
@@ -31,8 +35,9 @@ from meridian.gateway.openai_protocol import (
 )
 from meridian.gateway.streams import Stream, answer_headers
 from meridian.gateway.workers import WorkerPool
+from meridian.limits import MAX_REQUEST_BYTES
 
-MAX_BODY_BYTES = 32 * 2**20
+log = logging.getLogger(__name__)
 UNION_TAG = re.compile(r"str|int|float|bool|list\[.*\]|function-\w+\[.*\]")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -45,6 +50,33 @@ class ClientDisconnected(Exception):
     pass
 
 
+class BodyLimit:
+    """Refuse a request body over `limit` bytes, by its Content-Length or as it streams in, with a
+    413 (HTTPException, answered by the app's handler in OpenAI's error shape)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = Headers(scope=scope).get("content-length", "")
+        received = int(length) if length.isdigit() else 0
+
+        async def limited():
+            nonlocal received
+            if received > self.limit:
+                raise HTTPException(413)
+            message = await receive()
+            if message["type"] == "http.request" and not length.isdigit():
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise HTTPException(413)
+            return message
+
+        await self.app(scope, limited, send)
+
+
 def create_app(
     dispatcher: Dispatcher,
     pool: WorkerPool,
@@ -55,8 +87,8 @@ def create_app(
         title="Meridian",
         version=__version__,
         summary="OpenAI-compatible API of a Meridian gateway.",
-        max_body_size=MAX_BODY_BYTES,
     )
+    app.add_middleware(BodyLimit, limit=MAX_REQUEST_BYTES)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -77,53 +109,57 @@ def create_app(
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message, code = str(exc.detail), None
+        if exc.status_code == 413:
+            message = (
+                f"the request body is larger than this server's limit of {MAX_REQUEST_BYTES} bytes"
+            )
+            code = "request_too_large"
         return JSONResponse(
-            error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers
+            error_body(message, kind, code=code), status_code=exc.status_code, headers=exc.headers
         )
 
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        message = "the gateway failed to handle this request (a bug; it has been logged)"
+        return JSONResponse(error_body(message, "server_error"), status_code=500)
+
     async def generate(request: Request, body, fmt) -> Response:
-        timer = request_metrics.start(body.model)
-        try:
-            work = dispatcher.open(
-                body.to_pb(fmt.base["id"]), credentials=request.headers.get("authorization")
-            )
-            stream = await _until_disconnected(request, work)
-        except GatewayError as e:
-            timer.finish(e.metric_status)
-            if e.code == "context_length_exceeded":
-                e.param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-            raise
-        except ClientDisconnected:
-            timer.finish(metrics.CANCELLED)
-            return Response(status_code=499)  # nobody is listening; nginx's "client closed"
-        except asyncio.CancelledError:
-            timer.finish(metrics.CANCELLED)
-            raise
-        fmt.base["model"] = stream.model or body.model  # which model answered `auto`
-        headers = answer_headers(stream)
-        if body.stream:
-            events = _sse(stream, fmt, body.include_usage, timer)
-            return StreamingResponse(
-                events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers}
-            )
-        status, reason = metrics.CANCELLED, None
-        try:
-            # A retry after a failure midway counts the failed attempt's tokens too.
-            stream, (text, logprobs, usage, reason) = await _until_disconnected(
-                request, dispatcher.complete(stream, partial(_observe, timer))
-            )
+        # Whatever happens below, the request's accounting and its upstream call end once: here
+        # for a whole answer, or with the response for a streamed one (it takes them over).
+        with contextlib.ExitStack() as owned:
+            timer = owned.enter_context(request_metrics.start(body.model))
+            try:
+                work = dispatcher.open(
+                    body.to_pb(fmt.base["id"]),
+                    deadline=_client_deadline(request, body.stream),
+                    credentials=request.headers.get("authorization"),
+                )
+                stream = await _until_disconnected(request, work)
+            except GatewayError as e:
+                if e.code == "context_length_exceeded":
+                    e.param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+                raise
+            except ClientDisconnected:
+                return Response(status_code=499)  # nobody is listening; nginx's "client closed"
+            owned.callback(lambda: stream.close())  # the latest attempt's, after any retry
+            fmt.base["model"] = stream.model or body.model  # which model answered `auto`
+            headers = answer_headers(stream)
+            if body.stream:
+                events = _sse(stream, fmt, body.include_usage, timer)
+                return StreamedAnswer(events, owned.pop_all(), {**SSE_HEADERS, **headers})
+            try:
+                # A retry after a failure midway counts the failed attempt's tokens too.
+                stream, (text, logprobs, usage, reason) = await _until_disconnected(
+                    request, dispatcher.complete(stream, partial(_observe, timer))
+                )
+            except ClientDisconnected:
+                return Response(status_code=499)
             # A retry may have moved it; the upstream's time is known now that it has ended.
             headers = {**headers, **answer_headers(stream)}
-            status = metrics.OK
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except GatewayError as e:
-            status = e.metric_status
-            raise
-        finally:
-            stream.close()
-            timer.finish(status, finish_reason(reason) if reason else None)
-        return JSONResponse(fmt.response(text, logprobs, usage, reason), headers=headers)
+            timer.outcome(metrics.OK, finish_reason(reason))
+            return JSONResponse(fmt.response(text, logprobs, usage, reason), headers=headers)
 
     @app.post("/v1/chat/completions", summary="Create a chat completion")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
@@ -170,8 +206,24 @@ def create_app(
     return app
 
 
+class StreamedAnswer(StreamingResponse):
+    """Server-sent events that own their request's accounting and upstream call, and end them
+    however the response ends: finished, failed, or never sent because the client left first."""
+
+    def __init__(self, events, owned: contextlib.ExitStack, headers: dict[str, str]):
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self.owned = owned
+
+    async def __call__(self, scope, receive, send) -> None:
+        with self.owned:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                await self.body_iterator.aclose()
+
+
 async def _sse(stream: Stream, fmt, include_usage: bool, timer: metrics.RequestTimer):
-    status, reason, usage = metrics.CANCELLED, None, None
+    reason, usage = None, None
     extra = {"usage": None} if include_usage else {}
     try:
         first = fmt.first_chunk()
@@ -183,15 +235,12 @@ async def _sse(stream: Stream, fmt, include_usage: bool, timer: metrics.RequestT
                 yield _event({**fmt.delta_chunk(r), **extra})
         if include_usage and usage is not None:
             yield _event(fmt.usage_chunk(usage))
+        timer.outcome(metrics.OK, finish_reason(reason))
         yield "data: [DONE]\n\n"
-        status = metrics.OK
     except GatewayError as e:  # the worker failed after the stream began: too late to retry
-        status = e.metric_status
+        timer.outcome(e.metric_status, finish_reason(reason))
         yield _event(error_body(e.message, e.type, e.param, e.code))
         yield "data: [DONE]\n\n"
-    finally:
-        stream.close()
-        timer.finish(status, finish_reason(reason) if reason else None)
 
 
 async def _counted(stream: Stream, timer: metrics.RequestTimer):
@@ -202,6 +251,18 @@ async def _counted(stream: Stream, timer: metrics.RequestTimer):
 
 def _observe(timer: metrics.RequestTimer, r) -> None:
     timer.tokens(len(r.token_ids), r.usage.prompt_tokens)
+
+
+def _client_deadline(request: Request, streamed: bool) -> float | None:
+    """The client's own deadline (monotonic seconds), where it has one: the openai SDKs send their
+    read timeout, and a whole (not streamed) answer arrives in one read."""
+    if streamed:
+        return None
+    try:
+        seconds = float(request.headers.get("x-stainless-read-timeout", "nan"))
+    except ValueError:
+        return None
+    return time.monotonic() + seconds if 0 < seconds < math.inf else None
 
 
 def _event(data: dict) -> str:

@@ -14,7 +14,8 @@ from meridian.gateway.streams import FINISH_REASONS
 
 MAX_STOP = 16
 MAX_SEED = 2**63 - 1
-TokenId = Annotated[int, Field(ge=0, lt=2**32)]
+UINT32 = 2**32  # the wire's bound for token counts and ids
+TokenId = Annotated[int, Field(ge=0, lt=UINT32)]
 
 
 class _Strict(BaseModel):
@@ -42,11 +43,11 @@ class ChatMessage(_Strict):
 
 
 class _Sampling(_Strict):
-    model: str = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
+    model: str = Field(min_length=1, max_length=256)
+    max_tokens: int | None = Field(None, ge=1, lt=UINT32)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, lt=UINT32)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -101,7 +102,7 @@ class _Sampling(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=UINT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -114,7 +115,10 @@ class ChatCompletionRequest(_Sampling):
     def to_pb(self, request_id: str):
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        messages = [pb.ChatMessage(role=_role(m.role), content=m.text()) for m in self.messages]
+        messages = [
+            pb.ChatMessage(role=_role(m.role), content=m.text(), name=m.name or "")
+            for m in self.messages
+        ]
         return pb.GenerateRequest(
             model=self.model,
             chat=pb.Chat(messages=messages),

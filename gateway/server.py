@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from meridian.api.v1 import pb, pb_grpc
 from meridian.errors import UserError
 from meridian.gateway import discovery
-from meridian.gateway.auto_model import parse_auto_model
+from meridian.gateway.auto_model import AUTO, parse_auto_model
 from meridian.gateway.dispatch import Dispatcher
 from meridian.gateway.grpc_service import GatewayInference
 from meridian.gateway.openai_app import create_app
@@ -32,6 +32,7 @@ from meridian.gateway.ratelimit import RateLimiter, load_api_keys
 from meridian.gateway.result_cache import ResultCache
 from meridian.gateway.routing import RoutingPolicy
 from meridian.gateway.workers import PoolCollector, WorkerPool
+from meridian.limits import MAX_MESSAGE_BYTES
 from meridian.metrics import RequestMetrics, new_registry
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -58,6 +59,7 @@ class GatewaySettings:
     report_interval: float = 0.5  # seconds between an upstream's load reports
     drain_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     request_timeout: float = 600.0  # seconds: the deadline of every upstream call
+    first_token_timeout: float = 60.0  # seconds an upstream may take to a first token
     spill_margin: float = 0.25  # seconds a peer must be predicted faster by to take a request
     probe_share: float = 0.01  # of requests sent to a peer to keep its figures measured
     prefix_affinity: bool = True
@@ -91,6 +93,8 @@ class GatewaySettings:
             raise UserError("stale-after must be longer than the report interval")
         if self.request_timeout <= 0 or self.spill_margin < 0 or not 0 <= self.probe_share < 1:
             raise UserError("request timeout > 0, spill margin >= 0 and 0 <= probe share < 1")
+        if self.first_token_timeout <= 0:
+            raise UserError("first token timeout must be positive")
         if self.result_cache_size < 0 or self.result_cache_ttl <= 0:
             raise UserError("result cache size must be >= 0 bytes and its TTL positive")
         if self.auto_model is not None:
@@ -203,6 +207,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="deadline in seconds of every upstream call (a client's shorter one wins)",
     )
     routing.add_argument(
+        "--first-token-timeout",
+        type=float,
+        default=d.first_token_timeout,
+        help="seconds an upstream may take to a first token before the request goes elsewhere",
+    )
+    routing.add_argument(
         "--spill-margin",
         type=float,
         default=d.spill_margin,
@@ -292,8 +302,8 @@ class Gateway:
     def __init__(self, settings: GatewaySettings):
         s = self.settings = settings
         self.registry = new_registry()
-        self.metrics = RequestMetrics(self.registry, "gateway")
         self.pool = WorkerPool(s.region, s.report_interval)
+        self.metrics = RequestMetrics(self.registry, "gateway", self._model_names)
         keys = load_api_keys(s.api_keys_file) if s.api_keys_file else {}
         self.dispatcher = Dispatcher(
             self.pool,
@@ -301,6 +311,7 @@ class Gateway:
             self.registry,
             s.max_attempts,
             s.request_timeout,
+            s.first_token_timeout,
             cache=ResultCache(s.result_cache_size, s.result_cache_ttl)
             if s.result_cache_size
             else None,
@@ -314,6 +325,11 @@ class Gateway:
         self._http: _HTTPServer | None = None
         self._http_task: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
+
+    def _model_names(self) -> set[str]:
+        """What a request's model may be labelled as in metrics (anything else: unknown)."""
+        names = {m.id for m in self.pool.models()}
+        return names | {AUTO} if self.settings.auto_model else names
 
     def describe(self) -> str:
         s = self.settings
@@ -336,7 +352,9 @@ class Gateway:
         for source, peer in follow:
             addresses = discovery.watch(source, s.dns_server)
             self._tasks.append(asyncio.create_task(self.pool.follow(addresses, peer)))
-        self._grpc = grpc.aio.server()
+        self._grpc = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        )
         pb_grpc.add_InferenceServicer_to_server(self.servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         reflection.enable_server_reflection(
@@ -394,7 +412,9 @@ class Gateway:
 
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets
+    # created with it, and with Nagle on, each kept-alive response waits for a delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

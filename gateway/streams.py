@@ -2,6 +2,7 @@
 or a result replayed from the cache. Each knows where it came from (the x-meridian-* headers), and
 settles its key's rate-limit charge when it ends."""
 
+import asyncio
 import hashlib
 import time
 from collections.abc import AsyncIterator
@@ -82,11 +83,18 @@ class UpstreamStream:
             request, timeout=timeout, metadata=tuple(metadata) if self._peer else None
         )
         self._first = None
+        self.lost: str | None = None  # why the gateway gave up on the call, if it did
 
-    async def start(self, route: str, learn_prefill: bool) -> None:
+    async def start(self, route: str, learn_prefill: bool, first_token_timeout: float) -> None:
+        """Wait for the first response. Raises a retryable GatewayError if the upstream goes down
+        or sends nothing for `first_token_timeout` seconds first: the request can go elsewhere."""
         self._reservation.__enter__()
+        timer = asyncio.get_running_loop().call_later(
+            first_token_timeout, self.lose, f"sent no first token in {first_token_timeout:g} s"
+        )
         try:
-            self._first = await self._read()
+            with self.pool.watch_down(self.address, lambda: self.lose("went down")):
+                self._first = await self._read()
             region, replica = self.pool.region, self.address
             if self._peer:  # the peer gateway says where it went, before its first response
                 sent = dict(await self._call.initial_metadata() or ())
@@ -97,6 +105,8 @@ class UpstreamStream:
         except BaseException:
             self.close()
             raise
+        finally:
+            timer.cancel()
         if learn_prefill and self._first is not None:
             self.dispatcher.learn_prefill(time.monotonic() - self._sent, self._first.usage)
 
@@ -122,8 +132,20 @@ class UpstreamStream:
         if self.cache_key is not None:
             self.dispatcher.store(self.cache_key, responses)
 
+    def lose(self, why: str) -> None:
+        """Give up on the call: its reader gets a retryable error instead of waiting on."""
+        if self.lost is None and self._reservation is not None:
+            self.lost = why
+            self._call.cancel()
+
     async def _read(self):
-        response = await self._call.read()
+        try:
+            response = await self._call.read()
+        except asyncio.CancelledError:
+            if self.lost is None or asyncio.current_task().cancelling():
+                raise  # our own reader was cancelled (the client went away)
+            message = f"the upstream {self.address} {self.lost}"
+            raise GatewayError(503, message, "upstream_lost", retryable=True) from None
         if response is grpc.aio.EOF:
             self.upstream_seconds = time.monotonic() - self._sent
             return None

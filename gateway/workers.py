@@ -2,7 +2,9 @@
 
 Each has one gRPC channel, kept current by its LoadReport stream (reopened with backoff whenever it
 breaks; one that cannot be reached is DOWN) and probed with gRPC health checks, whose round trips
-make its RTT. Membership follows discovery: an address that disappears stops being routed to at
+make its RTT. One that fails a probe (stopped, hung, or a stalled engine) counts as DOWN until a
+probe succeeds again, and the requests still waiting there for a first token are told to go
+elsewhere (see `watch_down`). Membership follows discovery: an address that disappears stops being routed to at
 once and its channel closes when its last request ends, so no request in flight fails because of
 it. A peer that reports this gateway's own region (DNS lists every gateway) is never routed to.
 """
@@ -23,6 +25,7 @@ from prometheus_client.registry import Collector
 from meridian.api.v1 import pb, pb_grpc
 from meridian.gateway.ejection import EjectionPolicy, Outlier, on_failure, on_success
 from meridian.gateway.routing import DOWN, DRAINING, SERVING, STARTING, WorkerLoad
+from meridian.limits import MAX_MESSAGE_BYTES
 from meridian.metrics import LABELS
 from meridian.worker.tokenizer import Tokenizer
 
@@ -33,6 +36,7 @@ STATES = {
     pb.SERVING_STATE_SERVING: SERVING,
     pb.SERVING_STATE_DRAINING: DRAINING,
     pb.SERVING_STATE_FAILED: DOWN,
+    pb.SERVING_STATE_STALLED: DOWN,
 }
 CHANNEL_OPTIONS = [
     # Notice an upstream that vanished without closing its connections within seconds.
@@ -44,9 +48,11 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 2_000),
     # A Tokenizer answer is a whole vocabulary (about 1.5 MB for a 49k-token one).
     ("grpc.max_receive_message_length", 32 * 2**20),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
 MAX_BACKOFF = 2.0  # seconds between attempts to reopen a broken LoadReport stream
 RTT_WEIGHT = 0.3  # EWMA weight of the newest probe
+PROBE_TIMEOUT = 2.0  # seconds (or 4 RTTs if longer) a health probe may take
 
 
 @dataclasses.dataclass
@@ -63,7 +69,14 @@ class Upstream:
     region: str = ""  # a peer's region as configured ("" when found by DNS)
     own_region: bool = False  # a "peer" that turned out to be a gateway of this region
     leaving: bool = False  # dropped by discovery: closes when its last request ends
+    responsive: bool = True  # False from a failed health probe until one succeeds
+    on_down: set = dataclasses.field(default_factory=set)  # callables, see watch_down
     tasks: list = dataclasses.field(default_factory=list)
+
+    @property
+    def state(self) -> str:
+        """Its reported state, unless it stopped answering probes or is this region's own."""
+        return DOWN if self.own_region or not self.responsive else self.load.state
 
 
 class WorkerPool:
@@ -149,7 +162,7 @@ class WorkerPool:
                 in_flight=u.in_flight,
                 rtt=u.rtt or 0.0,
                 ejected_until=u.outlier.ejected_until,
-                state=DOWN if u.own_region else u.load.state,
+                state=u.state,
             )
             for u in self.upstreams.values()
             if not u.leaving
@@ -167,21 +180,18 @@ class WorkerPool:
         for u in sorted(self.upstreams.values(), key=lambda u: u.peer):  # local entries first
             if u.peer and local_only:
                 continue
-            if u.load.state == SERVING and not u.leaving and not u.own_region:
+            if u.state == SERVING and not u.leaving:
                 for m in u.models:
                     seen.setdefault(m.id, m)
         return list(seen.values())
 
     def serving(self) -> int:
         """Local replicas that are SERVING."""
-        return sum(u.load.state == SERVING for u in self.workers.values())
+        return sum(u.state == SERVING for u in self.workers.values())
 
     def peers_serving(self) -> int:
         """Peer gateways whose regions have a SERVING replica."""
-        return sum(
-            u.peer and u.load.state == SERVING and not u.own_region and not u.leaving
-            for u in self.upstreams.values()
-        )
+        return sum(u.peer and u.state == SERVING and not u.leaving for u in self.upstreams.values())
 
     def tokenizer(self, model: str) -> Tokenizer | None:
         """The model's tokenizer once fetched from an upstream that serves it (None until then)."""
@@ -215,6 +225,21 @@ class WorkerPool:
             if u.leaving and u.in_flight == 0 and self.upstreams.get(address) is u:
                 self._close(u)
 
+    @contextlib.contextmanager
+    def watch_down(self, address: str, callback) -> Iterator[None]:
+        """Call `callback()` if the upstream goes down (stops responding, fails, is ejected) while
+        the block runs: a request waiting there for its first token can still go elsewhere."""
+        u = self.upstreams[address]
+        u.on_down.add(callback)
+        try:
+            yield
+        finally:
+            u.on_down.discard(callback)
+
+    def _went_down(self, u: Upstream) -> None:
+        for callback in list(u.on_down):
+            callback()
+
     def failed(self, address: str) -> None:
         """A call there failed in a way another upstream may not: count it toward ejection."""
         u = self.upstreams.get(address)
@@ -227,6 +252,7 @@ class WorkerPool:
             log.warning("%s %s ejected for %.1f s", _kind(u), address, until)
             self.ejections[(_kind(u), u.load.region or self.region)] += 1
             self._notify(u)
+            self._went_down(u)
 
     def succeeded(self, address: str) -> None:
         u = self.upstreams.get(address)
@@ -297,12 +323,15 @@ class WorkerPool:
         self._set(u, load)
 
     def _set(self, u: Upstream, load: WorkerLoad) -> None:
+        went_down = load.state == DOWN and u.load.state != DOWN
         if load.state != u.load.state:
             log.info("%s %s: %s -> %s", _kind(u), u.address, u.load.state, load.state)
             if load.state != SERVING:
                 u.models = []  # refetched when it serves again (it may have been replaced)
         u.load = load
         self._notify(u)
+        if went_down:
+            self._went_down(u)
 
     async def _probe(self, u: Upstream) -> None:
         """Active health checks; their round trips are the upstream's RTT."""
@@ -311,14 +340,29 @@ class WorkerPool:
         while True:
             start = time.monotonic()
             try:
-                await health.Check(check, timeout=max(2.0, 4 * (u.rtt or 0.0)))
+                await health.Check(check, timeout=max(PROBE_TIMEOUT, 4 * (u.rtt or 0.0)))
             except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.UNIMPLEMENTED and u.load.state == SERVING:
-                    self.failed(u.address)
+                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    self._unresponsive(u, e.code().name)
             else:
                 rtt = time.monotonic() - start
                 u.rtt = rtt if u.rtt is None else (1 - RTT_WEIGHT) * u.rtt + RTT_WEIGHT * rtt
+                if not u.responsive:
+                    log.info("%s %s answers probes again", _kind(u), u.address)
+                    u.responsive, u.outlier = True, Outlier()
+                    self._notify(u)
             await asyncio.sleep(self.probe_interval)
+
+    def _unresponsive(self, u: Upstream, why: str) -> None:
+        if not u.responsive:
+            return
+        if u.load.state == SERVING:
+            log.warning(
+                "%s %s failed a health probe (%s): not routing to it", _kind(u), u.address, why
+            )
+        u.responsive = False
+        self._notify(u)
+        self._went_down(u)
 
     def _fetch_tokenizer(self, model: str, u: Upstream) -> None:
         if model in self._tokenizers or model in self._fetching:
@@ -361,7 +405,7 @@ class PoolCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         workers = list(self.pool.workers.values())
-        counts = collections.Counter((w.load.model, w.load.state) for w in workers)
+        counts = collections.Counter((w.load.model, w.state) for w in workers)
         g = GaugeMetricFamily(
             "meridian_workers",
             "Workers by serving state, as this gateway sees them.",
@@ -399,9 +443,9 @@ class PoolCollector(Collector):
             if measured:
                 rtt.add_metric(["gateway", region], min(measured))
             for state in ("running", "waiting"):
-                total = sum(getattr(u.load, state) for u in ups if u.load.state == SERVING)
+                total = sum(getattr(u.load, state) for u in ups if u.state == SERVING)
                 requests.add_metric(["gateway", region, state], total)
-            total = sum(u.load.serving_replicas for u in ups if u.load.state == SERVING)
+            total = sum(u.load.serving_replicas for u in ups if u.state == SERVING)
             replicas.add_metric(["gateway", region], total)
         yield from (rtt, requests, replicas)
         ejections = CounterMetricFamily(

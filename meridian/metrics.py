@@ -4,9 +4,14 @@ Names follow vLLM's (`vllm:time_to_first_token_seconds` -> `meridian_time_to_fir
 so dashboards and alerts written for it carry over. Every series has the labels `model` (the served
 model name) and `component` (`worker` or `gateway`): the same request is seen by both, and the
 difference between them is the routing and network overhead. Each process has its own registry.
+
+Label values are bounded: a model name that nothing serves (whatever a client typed) is counted as
+`unknown`, so no client can add series.
 """
 
+import asyncio
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from prometheus_client import (
@@ -28,6 +33,7 @@ REJECTED = "rejected"  # every replica saturated: 429 / RESOURCE_EXHAUSTED
 UNAVAILABLE = "unavailable"  # no replica could take it: 503 / UNAVAILABLE
 CANCELLED = "cancelled"  # the client went away before the end
 ERROR = "error"  # a failure of ours: 5xx / INTERNAL
+UNKNOWN_MODEL = "unknown"  # the model label of requests for a model nothing serves
 
 # seconds; TTFT spans a cached decode on a GPU (~10 ms) to a long prefill queued on a CPU (minutes).
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80, 160, 640)
@@ -43,10 +49,17 @@ def new_registry() -> CollectorRegistry:
 
 
 class RequestMetrics:
-    """The per-request series of one process."""
+    """The per-request series of one process. `known_models` gives the model names that may be
+    label values (None: any, for a worker, which names only its own)."""
 
-    def __init__(self, registry: CollectorRegistry, component: str):
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        component: str,
+        known_models: Callable[[], Collection[str]] | None = None,
+    ):
         self.component = component
+        self.known_models = known_models
         self.ttft = Histogram(
             "meridian_time_to_first_token_seconds",
             "Time from request arrival to its first generated token.",
@@ -94,12 +107,18 @@ class RequestMetrics:
         )
 
     def start(self, model: str) -> "RequestTimer":
+        if self.known_models is not None and model not in self.known_models():
+            model = UNKNOWN_MODEL
         return RequestTimer(self, model)
 
 
 @dataclass
 class RequestTimer:
-    """One request's timings; observed into its process's metrics when it ends."""
+    """One request's timings; observed into its process's metrics when it ends.
+
+    Used as a context manager, it ends exactly once however the block is left: with the outcome
+    set by `outcome()`, else the one its exception says (`metric_status` of the exception, or
+    `cancelled` for a cancellation or a closed generator, else `error`), else `cancelled`."""
 
     metrics: RequestMetrics
     model: str
@@ -107,12 +126,27 @@ class RequestTimer:
     last_token: float | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    finished_reason: str = "none"
+    status: str | None = None
+    finished_reason: str | None = None
     done: bool = False
 
     def __post_init__(self) -> None:
         self.labels = (self.model, self.metrics.component)
         self.metrics.in_flight.labels(*self.labels).inc()
+
+    def __enter__(self) -> "RequestTimer":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        status = self.status
+        if status is None and error is not None:
+            cancelled = isinstance(error, GeneratorExit | asyncio.CancelledError)
+            status = CANCELLED if cancelled else getattr(error, "metric_status", ERROR)
+        self.finish(status or CANCELLED, self.finished_reason)
+
+    def outcome(self, status: str, finished_reason: str | None = None) -> None:
+        """How the request ended, recorded for when the timer's block is left."""
+        self.status, self.finished_reason = status, finished_reason
 
     def tokens(self, n: int, prompt_tokens: int) -> None:
         """n more tokens reached the client (n may be 0 for a final, token-less response)."""

@@ -63,6 +63,17 @@ class ScriptedWorker(pb_grpc.InferenceServicer):
         if self.mode == "too_long":
             context.set_trailing_metadata([("meridian-error-code", "context_length_exceeded")])
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt has 9000 tokens")
+        if self.mode == "overloaded":
+            context.set_trailing_metadata([("meridian-error-code", "overloaded")])
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full")
+        if self.mode == "too_big":  # what gRPC itself answers for a message over the size limit
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "message larger than max")
+        if self.mode == "silent":  # accepts the call, never answers
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled_at = time.monotonic()
+                raise
         yield self._response(0, last=self.tokens == 1)
         if self.mode == "break":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker went away")
