@@ -191,12 +191,17 @@ class Dispatcher:
         self, stream: Stream, observe=None
     ) -> tuple[Stream, tuple[str, list, object, int]]:
         """Read a whole answer that is sent as one (not streamed): nothing reaches the client
-        before its end, so when the upstream fails midway the request starts again elsewhere.
-        Returns the stream that answered and what `collect` makes of it."""
+        before its end, so when the upstream fails or goes down midway (see
+        WorkerPool.watch_down) the request starts again elsewhere. Returns the stream that
+        answered and what `collect` makes of it."""
         tried: set[str] = set()
         while True:
             try:
-                return stream, await collect(stream, observe)
+                if not isinstance(stream, UpstreamStream):
+                    return stream, await collect(stream, observe)
+                lost = stream.lose
+                with self.pool.watch_down(stream.address, lambda lost=lost: lost("went down")):
+                    return stream, await collect(stream, observe)
             except GatewayError as e:
                 if not e.retryable or not isinstance(stream, UpstreamStream):
                     raise

@@ -157,9 +157,11 @@ class HungHealth(health_pb2_grpc.HealthServicer):
         await asyncio.sleep(3600)
 
 
-def test_a_worker_that_stops_answering_probes_loses_its_waiting_requests(run):
+@pytest.mark.parametrize("mode", ["silent", "hang"])
+def test_a_worker_that_stops_answering_probes_loses_its_whole_answers_to_another(run, mode):
+    # silent: no first token yet; hang: one token, then nothing (a whole answer can still move).
     async def main():
-        stuck, good = ScriptedWorker("silent"), ScriptedWorker()
+        stuck, good = ScriptedWorker(mode), ScriptedWorker()
         await stuck.start()
         health_pb2_grpc.add_HealthServicer_to_server(HungHealth(), stuck.server)
         stuck.start = _noop  # already started, with its health service
@@ -171,9 +173,12 @@ def test_a_worker_that_stops_answering_probes_loses_its_waiting_requests(run):
                 start = time.monotonic()
                 r = await client.post(url(gw, "/v1/chat/completions"), json=CHAT)
                 assert r.is_success and r.headers["x-meridian-replica"] == good.address
+                assert r.json()["choices"][0]["message"]["content"] == "w0 w1 w2 "
                 assert stuck.calls, "the request went to the stuck worker first"
                 assert time.monotonic() - start < 5  # a failed probe, not the 60 s bound
                 assert gw.pool.upstreams[stuck.address].state == "down"
+                assert stuck.cancelled_at is not None
+                assert await in_flight(client, gw) == 0
 
     run(main())
 
