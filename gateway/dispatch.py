@@ -255,7 +255,7 @@ class Dispatcher:
             try:
                 await stream.start(route, learn_prefill, self.first_token_timeout)
             except grpc.aio.AioRpcError as e:
-                error = GatewayError.from_rpc(e)
+                error = GatewayError.from_rpc(e, choice.address)
                 if not error.retryable:
                     raise error from None
                 if e.code() in EJECTING:

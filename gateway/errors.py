@@ -90,18 +90,24 @@ class GatewayError(Exception):
         return cls(reject.status, reject.message, code[reject.status], param, reject.retry_after)
 
     @classmethod
-    def from_rpc(cls, e: grpc.aio.AioRpcError) -> "GatewayError":
+    def from_rpc(cls, e: grpc.aio.AioRpcError, upstream: str) -> "GatewayError":
+        """What the client is told when the call to `upstream` failed with `e`."""
         trailers = dict(e.trailing_metadata() or ())
         retry_after = trailers.get("retry-after")
         code, status = trailers.get("meridian-error-code"), HTTP_STATUS.get(e.code(), 502)
+        message = e.details() or e.code().name
         retryable = e.code() in RETRYABLE
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            message, code = "the request's deadline passed before its answer ended", "timeout"
+        elif code is None and e.code() in EJECTING:  # said by gRPC, not by a Meridian server
+            message, code = f"the upstream {upstream} failed: {message}", "upstream_failed"
         if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             retryable = code == "overloaded"
             if code is None:  # gRPC's own: a message over a server's size limit
                 status, code = 413, "request_too_large"
         return cls(
             status,
-            e.details() or e.code().name,
+            message,
             code,
             trailers.get("meridian-error-param"),
             int(retry_after) if retry_after and retry_after.isdigit() else None,

@@ -126,7 +126,7 @@ class UpstreamStream:
         except grpc.aio.AioRpcError as e:
             if e.code() in EJECTING:
                 self.pool.failed(self.address)
-            raise GatewayError.from_rpc(e) from None
+            raise GatewayError.from_rpc(e, self.address) from None
         finally:
             self.close()
         if self.cache_key is not None:

@@ -8,12 +8,17 @@ after them. Workers get their own sessions, so Ctrl-C reaches only this process,
 everything in order: the gateway stops accepting, each worker gets one SIGTERM and finishes what it
 is running, and the command exits 0. A second Ctrl-C cuts the drain short. On Linux the workers are
 also told to exit if this process dies without cleaning up (PR_SET_PDEATHSIG).
+
+A worker that exits once the deployment is ready is started again on the same address and metrics
+port, so its gateway reconnects to it by itself; the wait before each restart doubles from 0.5 s
+to 8 s while the worker keeps dying within a minute of its start. A worker that dies more than 5
+times in a row that soon, or any worker that exits while the deployment is still loading (a wrong
+flag, too little memory), stops everything: the command exits 1 and says which worker and how.
 """
 
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -28,7 +33,51 @@ from meridian.worker.arguments import add_engine_arguments, engine_flags, engine
 from meridian.worker.engine.llm_engine import EngineSettings
 from meridian.worker.loaders import resolve
 
-PR_SET_PDEATHSIG = 1
+# Run as `python -S -c EXEC_WITH_PARENT_DEATH_SIGNAL PARENT_PID ARGV...`: the worker is asked to get
+# SIGTERM when this process dies, then becomes ARGV. (preexec_fn would do it without the extra
+# interpreter, but is unsafe once threads run, and restarts happen while gRPC and asyncio run them.)
+EXEC_WITH_PARENT_DEATH_SIGNAL = """
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+except AttributeError:  # not Linux
+    pass
+if os.getppid() != int(sys.argv[1]):  # the parent died before prctl took effect
+    sys.exit(1)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When to start an exited worker again: soon after a long life, later and later while it keeps
+    dying young, never after more than `max_restarts` young deaths in a row."""
+
+    max_restarts: int = 5
+    young: float = 60.0  # seconds: a run shorter than this counts toward giving up
+    first_backoff: float = 0.5  # seconds before the first restart; doubles with each young death
+    max_backoff: float = 8.0
+
+    def __post_init__(self) -> None:
+        if (
+            self.max_restarts < 0
+            or self.young < 0
+            or not 0 <= self.first_backoff <= self.max_backoff
+        ):
+            raise ValueError(f"invalid restart policy {self}")
+
+    def young_deaths(self, before: int, lived: float) -> int:
+        """Young deaths in a row, counting a run that lasted `lived` seconds after `before`."""
+        return before + 1 if lived < self.young else 0
+
+    def delay(self, young_deaths: int) -> float | None:
+        """Seconds to wait before the restart, or None to give up."""
+        if young_deaths > self.max_restarts:
+            return None
+        return min(self.first_backoff * 2 ** max(young_deaths - 1, 0), self.max_backoff)
+
+
+RESTART = RestartPolicy()
 
 
 @dataclass(frozen=True)
@@ -40,12 +89,16 @@ class ServeSettings:
     port: int = 8000
     grpc_port: int = 50051
     drain_timeout: float = 30.0
+    request_timeout: float = GatewaySettings.request_timeout
+    first_token_timeout: float = GatewaySettings.first_token_timeout
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise UserError(f"--workers must be at least 1, got {self.workers}")
         if self.drain_timeout < 0:
             raise UserError("--drain-timeout must be >= 0 seconds")
+        if self.request_timeout <= 0 or self.first_token_timeout <= 0:
+            raise UserError("--request-timeout and --first-token-timeout must be > 0 seconds")
         if len(set(self.regions)) != len(self.regions):
             raise UserError(f"--regions names a region twice: {','.join(self.regions)}")
 
@@ -70,6 +123,8 @@ class ServeSettings:
                     http_port=self.port + i,
                     grpc_port=grpc_ports[i],
                     drain_timeout=self.drain_timeout,
+                    request_timeout=self.request_timeout,
+                    first_token_timeout=self.first_token_timeout,
                 )
             )
         return gateways
@@ -77,6 +132,13 @@ class ServeSettings:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = ServeSettings(EngineSettings())
+    parser.epilog = (
+        "A worker that exits after the deployment is ready is started again on the same "
+        f"address: after {RESTART.first_backoff:g} s, then longer (up to {RESTART.max_backoff:g} "
+        f"s) while it keeps dying within {RESTART.young:g} s of starting. One that does so more "
+        f"than {RESTART.max_restarts} times in a row, or any worker that exits while loading, "
+        "stops everything: the command exits 1."
+    )
     parser.add_argument(
         "--workers", type=int, default=d.workers, help="worker processes (per region) (1)"
     )
@@ -96,6 +158,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.drain_timeout,
         help="seconds in-flight requests get to finish on Ctrl-C",
     )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=d.request_timeout,
+        metavar="SECONDS",
+        help=f"deadline of every request to a worker (default {d.request_timeout:g})",
+    )
+    parser.add_argument(
+        "--first-token-timeout",
+        type=float,
+        default=d.first_token_timeout,
+        metavar="SECONDS",
+        help="seconds a worker may take to a first token before the request goes to another "
+        f"(default {d.first_token_timeout:g})",
+    )
     add_engine_arguments(parser)
 
 
@@ -108,11 +185,12 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         grpc_port=args.grpc_port,
         drain_timeout=args.drain_timeout,
+        request_timeout=args.request_timeout,
+        first_token_timeout=args.first_token_timeout,
     )
     resolve(settings.engine.model)  # a missing model fails here, not in N workers
     gateways = settings.gateways()
     addresses = [address for g in gateways for address in g.workers]
-    # Spawned before asyncio and gRPC start any thread, which keeps preexec_fn safe.
     workers = [spawn_worker(settings, address, len(addresses)) for address in addresses]
     try:
         return asyncio.run(_serve(settings, gateways, workers))
@@ -130,12 +208,33 @@ def worker_command(engine: EngineSettings, address: str, metrics_port: int, drai
 
 @dataclass
 class LocalWorker:
-    process: subprocess.Popen
+    """One worker's command and its current process; `restart` runs the same command again (same
+    address, same metrics port)."""
+
+    address: str  # its gRPC HOST:PORT, as its gateway knows it
+    command: list[str]
+    env: dict[str, str]
     metrics_port: int
+    process: subprocess.Popen | None = None
+    started: float = 0.0  # monotonic
     signals_sent: int = 0
+    restarts: int = 0
+    young_deaths: int = 0  # in a row (RestartPolicy)
+
+    def start(self) -> None:
+        launcher = [sys.executable, "-S", "-c", EXEC_WITH_PARENT_DEATH_SIGNAL, str(os.getpid())]
+        self.process = subprocess.Popen(
+            [*launcher, *self.command], env=self.env, start_new_session=True
+        )
+        self.started = time.monotonic()
+        self.signals_sent = 0
+
+    def restart(self) -> None:
+        self.restarts += 1
+        self.start()
 
     def running(self) -> bool:
-        return self.process.poll() is None
+        return self.process is not None and self.process.poll() is None
 
     def terminate(self) -> None:
         """SIGTERM: the first starts the worker's drain, a second cuts it short."""
@@ -152,24 +251,53 @@ def spawn_worker(settings: ServeSettings, address: str, count: int) -> LocalWork
         # `count` workers sharing the CPU would otherwise each start one thread per core.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // count))
     command = worker_command(settings.engine, address, metrics_port, settings.drain_timeout)
-    process = subprocess.Popen(
-        command, env=env, start_new_session=True, preexec_fn=_exit_with_parent()
-    )
-    return LocalWorker(process, metrics_port)
+    worker = LocalWorker(address, command, env, metrics_port)
+    worker.start()
+    return worker
 
 
-def _exit_with_parent():
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux
-        return None
-    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+async def keep_running(
+    worker: LocalWorker,
+    policy: RestartPolicy,
+    ready: asyncio.Event,
+    stopping: asyncio.Event,
+    poll: float = 0.2,
+) -> str | None:
+    """Restart `worker` whenever it exits, as `policy` says. Returns why everything must stop (it
+    exited while loading, or kept dying), or None once `stopping` is set."""
+    while True:
+        while worker.running() and not stopping.is_set():
+            await asyncio.sleep(poll)
+        if stopping.is_set():
+            return None
+        code = worker.process.returncode
+        if not ready.is_set():
+            return f"worker {worker.address} exited (status {code}) while loading; stopping"
+        lived = time.monotonic() - worker.started
+        worker.young_deaths = policy.young_deaths(worker.young_deaths, lived)
+        delay = policy.delay(worker.young_deaths)
+        if delay is None:
+            return (
+                f"worker {worker.address} exited (status {code}) {worker.young_deaths} times in a "
+                f"row within {policy.young:g} s of starting; giving up and stopping"
+            )
+        print(
+            f"meridian serve: worker {worker.address} exited (status {code}) after {lived:.0f} s; "
+            f"restarting it in {delay:g} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopping.wait(), delay)
+        if stopping.is_set():
+            return None
+        worker.restart()
 
 
 async def _serve(
     settings: ServeSettings, gateway_settings: list[GatewaySettings], workers: list[LocalWorker]
 ) -> int:
-    stop = asyncio.Event()
+    stop, ready = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
 
     def on_signal() -> None:
@@ -183,30 +311,37 @@ async def _serve(
     for gateway in gateways:
         await gateway.start()
     print(f"meridian serve: loading {settings.engine.model} in {len(workers)} worker(s)...")
+    supervisors = [asyncio.ensure_future(keep_running(w, RESTART, ready, stop)) for w in workers]
+    gave_up = asyncio.ensure_future(_first_result(supervisors))
+    loaded = asyncio.ensure_future(
+        asyncio.gather(*(g.pool.wait_serving(len(g.settings.workers)) for g in gateways))
+    )
+    stopped = asyncio.ensure_future(stop.wait())
     try:
-        ready = asyncio.ensure_future(
-            asyncio.gather(*(g.pool.wait_serving(len(g.settings.workers)) for g in gateways))
-        )
-        failed = asyncio.ensure_future(_first_exit(workers))
-        stopped = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({ready, failed, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if ready.done():
+        await asyncio.wait({loaded, gave_up, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if loaded.done() and not gave_up.done():
+            ready.set()
             _print_ready(settings, gateway_settings, workers)
-            await asyncio.wait({failed, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (ready, failed, stopped):
-            task.cancel()
-        if not stop.is_set():
-            code = next(w.process.returncode for w in workers if not w.running())
-            print(f"meridian serve: a worker exited (status {code}); stopping", file=sys.stderr)
-            return code or 1
+            await asyncio.wait({gave_up, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if gave_up.done() and gave_up.result() is not None:
+            print(f"meridian serve: {gave_up.result()}", file=sys.stderr, flush=True)
+            return 1
         return 0
     finally:
+        stop.set()  # the supervisors restart nothing from here on
+        for task in (loaded, gave_up, stopped, *supervisors):
+            task.cancel()
+        await asyncio.gather(loaded, gave_up, stopped, *supervisors, return_exceptions=True)
         await asyncio.gather(*(g.stop() for g in gateways))
 
 
-async def _first_exit(workers: list[LocalWorker]) -> None:
-    while all(w.running() for w in workers):
-        await asyncio.sleep(0.2)
+async def _first_result(tasks: list[asyncio.Future]) -> str | None:
+    """The first reason to stop that a worker's supervisor returns (None: they all ended)."""
+    for done in asyncio.as_completed(tasks):
+        reason = await done
+        if reason is not None:
+            return reason
+    return None
 
 
 def _print_ready(

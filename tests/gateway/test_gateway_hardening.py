@@ -117,9 +117,9 @@ def test_priority_is_passed_on_only_for_callers_with_a_key(run, tmp_path):
             assert (await client.post(url(gw, "/v1/chat/completions"), json=body)).is_success
         assert worker.calls[-1].priority == 0
         worker = ScriptedWorker()
-        async with running_gateway([worker], api_keys_file=str(keys)) as gw:
-            async with httpx.AsyncClient(headers={"authorization": "Bearer sk-good"}) as client:
-                assert (await client.post(url(gw, "/v1/chat/completions"), json=body)).is_success
+        keyed = httpx.AsyncClient(headers={"authorization": "Bearer sk-good"})
+        async with running_gateway([worker], api_keys_file=str(keys)) as gw, keyed as client:
+            assert (await client.post(url(gw, "/v1/chat/completions"), json=body)).is_success
         assert worker.calls[-1].priority == -5
 
     run(main())
@@ -139,13 +139,13 @@ def test_a_message_name_reaches_the_worker(run):
 def test_an_upstream_without_a_first_token_in_time_loses_the_request(run):
     async def main():
         silent, good = ScriptedWorker("silent"), ScriptedWorker()
-        async with running_gateway([silent, good], first_token_timeout=0.3) as gw:
-            async with httpx.AsyncClient() as client:
-                for _ in range(4):  # some land on the silent one first
-                    r = await client.post(url(gw, "/v1/chat/completions"), json=CHAT)
-                    assert r.is_success and r.headers["x-meridian-replica"] == good.address
-                assert silent.calls and silent.cancelled_at is not None
-                assert await in_flight(client, gw) == 0
+        gateway = running_gateway([silent, good], first_token_timeout=0.3)
+        async with gateway as gw, httpx.AsyncClient() as client:
+            for _ in range(4):  # some land on the silent one first
+                r = await client.post(url(gw, "/v1/chat/completions"), json=CHAT)
+                assert r.is_success and r.headers["x-meridian-replica"] == good.address
+            assert silent.calls and silent.cancelled_at is not None
+            assert await in_flight(client, gw) == 0
 
     run(main())
 
