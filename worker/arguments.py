@@ -16,6 +16,7 @@ ENGINE_FLAGS = {
     "block_size": "--block-size",
     "max_num_seqs": "--max-num-seqs",
     "max_num_batched_tokens": "--max-num-batched-tokens",
+    "max_waiting": "--max-waiting",
     "max_model_len": "--max-model-len",
     "kv_cache_memory": "--kv-cache-memory",
     "enable_prefix_caching": "--no-prefix-caching",
@@ -57,6 +58,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="token budget of one step (prefill chunks + decodes)",
     )
     g.add_argument(
+        "--max-waiting",
+        type=int,
+        default=d.max_waiting,
+        help="serving: most requests queued beyond what the running batch has room for; more are "
+        f"refused with RESOURCE_EXHAUSTED, retry after 1 s (default {d.max_waiting})",
+    )
+    g.add_argument(
         "--max-model-len",
         type=int,
         default=None,
@@ -91,6 +99,7 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_waiting=args.max_waiting,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=args.enable_prefix_caching,

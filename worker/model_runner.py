@@ -67,8 +67,15 @@ class ModelRunner:
         input_ids, positions, attn, sample_rows, samplers = self._prepare(batch)
         hidden = self.model(input_ids, positions, attn, self.kv_caches)
         logits = self.model.compute_logits(hidden[sample_rows])
-        params = [s.params for s in samplers]
-        result = sample(logits.cpu(), params, [self._generator(s) for s in samplers])
+        generators = [self._generator(s) for s in samplers]
+        # A failed step is run again (LLMEngine.step): it must draw the same noise the second time.
+        states = [(g, g.get_state()) for g in generators if g is not None]  # ~1 µs each
+        try:
+            result = sample(logits.cpu(), [s.params for s in samplers], generators)
+        except Exception:
+            for g, state in states:
+                g.set_state(state)
+            raise
         return samplers, result
 
     def _prepare(self, batch: ScheduledBatch):

@@ -7,6 +7,10 @@ only then does health turn SERVING. SIGTERM or SIGINT drains: health turns NOT_S
 get UNAVAILABLE (a gateway retries them on another worker), in-flight requests run to completion
 for up to --drain-timeout seconds, whatever is left is aborted, and the process exits 0. A second
 signal ends the wait at once. If the engine itself fails, the worker reports FAILED and exits 1.
+
+A watchdog checks every half second how long the engine's current step has run: past
+--step-timeout the worker reports STALLED, health turns NOT_SERVING (so a liveness probe can
+restart a hung process) and new calls get UNAVAILABLE; when steps return, it serves again.
 """
 
 import argparse
@@ -16,6 +20,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -25,6 +30,7 @@ from prometheus_client import start_http_server
 
 from meridian.api.v1 import pb, pb_grpc
 from meridian.errors import UserError
+from meridian.limits import MAX_MESSAGE_BYTES
 from meridian.metrics import RequestMetrics, new_registry
 from meridian.worker.arguments import add_engine_arguments, engine_settings
 from meridian.worker.engine.async_engine import AsyncEngine
@@ -40,7 +46,10 @@ SERVER_OPTIONS = [
     # Gateways keep a LoadReport stream open and ping it to notice a dead peer quickly.
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+    # Whatever a gateway accepts (meridian.limits) reaches the worker.
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+WATCHDOG_INTERVAL = 0.5  # seconds between checks of the engine's step
 
 
 @dataclass(frozen=True)
@@ -51,12 +60,15 @@ class WorkerSettings:
     metrics_port: int = 9400  # 0: no metrics endpoint
     served_model_name: str | None = None  # default: --model as given
     drain_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    step_timeout: float = 30.0  # seconds one engine step may run before the worker is STALLED
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
             raise UserError("ports must be between 0 and 65535")
         if self.drain_timeout < 0:
             raise UserError(f"drain timeout must be >= 0 seconds, got {self.drain_timeout}")
+        if self.step_timeout <= 0:
+            raise UserError(f"step timeout must be > 0 seconds, got {self.step_timeout}")
         if self.served_model_name == "":
             raise UserError("served model name must not be empty")
 
@@ -83,6 +95,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.drain_timeout,
         help=f"seconds in-flight requests get to finish on SIGTERM (default {d.drain_timeout:g})",
     )
+    s.add_argument(
+        "--step-timeout",
+        type=float,
+        default=d.step_timeout,
+        help="seconds one engine step may run before the worker reports itself stalled: health "
+        f"NOT_SERVING and new requests refused until steps return (default {d.step_timeout:g})",
+    )
     add_engine_arguments(parser)
 
 
@@ -94,6 +113,7 @@ def worker_settings(args: argparse.Namespace) -> WorkerSettings:
         metrics_port=args.metrics_port,
         served_model_name=args.served_model_name,
         drain_timeout=args.drain_timeout,
+        step_timeout=args.step_timeout,
     )
 
 
@@ -111,12 +131,7 @@ async def serve(settings: WorkerSettings) -> int:
     )
     health_servicer = health.aio.HealthServicer()
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    pb_grpc.add_InferenceServicer_to_server(service, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-    )
+    server = grpc_server(service, health_servicer)
     address = f"{settings.host}:{settings.port}"
     try:
         server.add_insecure_port(address)
@@ -147,9 +162,7 @@ async def serve(settings: WorkerSettings) -> int:
             file=sys.stderr,
             flush=True,
         )
-        while not signals.stop.is_set() and engine.error is None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(signals.stop.wait(), 0.5)
+        await watch_engine(service, health_servicer, settings.step_timeout, signals.stop)
         if engine.error is not None:
             # Nothing can be served any more: say so, and exit for a supervisor to restart us.
             service.set_state(pb.SERVING_STATE_FAILED)
@@ -164,6 +177,50 @@ async def serve(settings: WorkerSettings) -> int:
         if metrics_server is not None:
             metrics_server.shutdown()
     return 0
+
+
+def grpc_server(service: InferenceService, health_servicer) -> grpc.aio.Server:
+    """The worker's gRPC server (not started, no port yet): inference, health and reflection."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    pb_grpc.add_InferenceServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    return server
+
+
+async def watch_engine(
+    service: InferenceService, health_servicer, step_timeout: float, stop: asyncio.Event
+) -> None:
+    """Until `stop` is set or the engine fails: turn STALLED (health NOT_SERVING) while a step
+    overruns `step_timeout`, and SERVING again once it returns."""
+    engine = service.engine
+    while not stop.is_set() and engine.error is None:
+        state = watchdog_state(service.state, engine.step_started, time.monotonic(), step_timeout)
+        if state != service.state:
+            if state == pb.SERVING_STATE_STALLED:
+                log.warning("an engine step has run for over %g s: not admitting", step_timeout)
+                health_status = health_pb2.HealthCheckResponse.NOT_SERVING
+            else:
+                log.warning("the engine's steps returned: admitting again")
+                health_status = health_pb2.HealthCheckResponse.SERVING
+            service.set_state(state)
+            await _set_health(health_servicer, health_status)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), WATCHDOG_INTERVAL)
+
+
+def watchdog_state(state: int, step_started: float | None, now: float, step_timeout: float) -> int:
+    """SERVING turns STALLED while the engine's current step (started at `step_started`, None
+    when idle) has run longer than `step_timeout` seconds, and back once it returns; any other
+    state stays as it is."""
+    stalled = step_started is not None and now - step_started > step_timeout
+    if state == pb.SERVING_STATE_SERVING and stalled:
+        return pb.SERVING_STATE_STALLED
+    if state == pb.SERVING_STATE_STALLED and not stalled:
+        return pb.SERVING_STATE_SERVING
+    return state
 
 
 class _Signals:
@@ -201,6 +258,7 @@ async def _load(settings: EngineSettings, stop: asyncio.Event) -> AsyncEngine | 
     def load() -> None:
         try:
             engine = LLMEngine(settings)
+            engine.tokenizer.token_text(0)  # builds the vocabulary's text table here, not in a call
         except BaseException as e:
             loop.call_soon_threadsafe(settle, None, e)
         else:

@@ -1,9 +1,13 @@
 """`meridian.v1.Inference` on a worker: the engine behind gRPC.
 
-Generate turns a request into prompt token ids and SamplingParams, streams the engine's deltas back,
-and aborts the request in the engine when the caller cancels (the handler's task is cancelled, which
-closes the engine's iterator). LoadReport publishes what a gateway needs to route: serving state,
-queue depth, KV-cache use, drain rate and the prefix cache's block hashes.
+Generate turns a request into prompt token ids (in a thread: templating and tokenizing are slow)
+and bounded SamplingParams, streams the engine's deltas back, and aborts the request in the engine
+when the caller cancels (the handler's task is cancelled, which closes the engine's iterator). The
+call's deadline travels with the request, so the engine stops working on it when nobody waits any
+more. Every call ends one way: an answer, or a status (INVALID_ARGUMENT, NOT_FOUND,
+RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE, INTERNAL when this request failed).
+LoadReport publishes what a gateway needs to route: serving state, queue depth, KV-cache use, drain
+rate and the prefix cache's block hashes.
 """
 
 import asyncio
@@ -20,10 +24,15 @@ from prometheus_client import Histogram
 from meridian import metrics
 from meridian.api.v1 import pb, pb_grpc
 from meridian.errors import UserError
-from meridian.worker.engine.async_engine import AsyncEngine, EngineDeadError
+from meridian.worker.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestFailedError,
+)
 from meridian.worker.engine.llm_engine import RequestOutput
 from meridian.worker.sampling_params import SamplingParams
-from meridian.worker.tokenizer import prompt_token_ids
+from meridian.worker.tokenizer import PromptTooLong, prompt_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +95,13 @@ class InferenceService(pb_grpc.InferenceServicer):
         timer = self.metrics.start(self.model_name)
         status, reason, engine_id = metrics.CANCELLED, None, None
         try:
-            engine, ids, params = self._prepare(request)
+            engine, ids, params = await self._prepare(request)
             request_id = request.request_id or uuid.uuid4().hex
             engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"  # callers' ids need not be unique
             self.live.add(engine_id)
-            stream = engine.generate(engine_id, ids, params, request.priority)
+            remaining = context.time_remaining()  # seconds; None without a deadline
+            deadline = None if remaining is None else time.monotonic() + remaining
+            stream = engine.generate(engine_id, ids, params, request.priority, deadline)
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     if timer.last_token is None and out.queue_time is not None:
@@ -99,25 +110,23 @@ class InferenceService(pb_grpc.InferenceServicer):
                     reason = out.finish_reason
                     yield self._response(request_id, out, engine)
             status = metrics.OK
-        except UserError as e:  # ours (Rejection) or the engine's checks, before anything is queued
-            rejection = e if isinstance(e, Rejection) else Rejection.invalid(e)
+        except Exception as e:  # cancellation (BaseException) passes: grpc ends the call itself
+            rejection = _rejection(e)
             status = rejection.status
             await rejection.abort(context)
-        except EngineDeadError as e:  # UNAVAILABLE: another worker can still serve the request
-            status = metrics.ERROR
-            await Rejection(grpc.StatusCode.UNAVAILABLE, metrics.ERROR, str(e)).abort(context)
         finally:
             self.live.discard(engine_id)
             if status == metrics.OK:
                 self.finished += 1
             timer.finish(status, reason)
 
-    def _prepare(self, request) -> tuple[AsyncEngine, list[int], SamplingParams]:
+    async def _prepare(self, request) -> tuple[AsyncEngine, list[int], SamplingParams]:
         engine = self.engine
         if self.state != pb.SERVING_STATE_SERVING or engine is None:
             what = {
                 pb.SERVING_STATE_DRAINING: "draining",
                 pb.SERVING_STATE_FAILED: "failed (its engine stopped)",
+                pb.SERVING_STATE_STALLED: "stalled (an engine step is overrunning)",
             }.get(self.state, "loading its model")
             raise Rejection(
                 grpc.StatusCode.UNAVAILABLE, metrics.UNAVAILABLE, f"this worker is {what}"
@@ -131,39 +140,15 @@ class InferenceService(pb_grpc.InferenceServicer):
                 code="model_not_found",
                 param="model",
             )
-        ids = prompt_token_ids(engine.tokenizer, request)
-        return engine, ids, self._sampling_params(request.sampling, len(ids), engine)
-
-    def _sampling_params(self, p, num_prompt_tokens: int, engine: AsyncEngine) -> SamplingParams:
-        # The engine can hold a request only if prompt + output fit both the context window and
-        # the KV pool; unset max_tokens means "whatever room that leaves".
-        e = engine.engine
-        kv_tokens = engine.stats().kv_blocks_total * e.settings.block_size  # fixed at startup
-        room = min(e.max_model_len, kv_tokens)
-        window = "context window" if room == e.max_model_len else "KV cache of this worker"
-        if num_prompt_tokens >= room:
+        room, window = _room(engine)
+        try:
+            ids = await asyncio.to_thread(prompt_token_ids, engine.tokenizer, request, room - 1)
+        except PromptTooLong as e:
             raise ContextLengthError(
-                f"the prompt has {num_prompt_tokens} tokens; the {window} holds {room} tokens "
-                "(prompt and output together): shorten the prompt"
-            )
-        max_tokens = p.max_tokens if p.HasField("max_tokens") else room - num_prompt_tokens
-        if max_tokens >= 1 and num_prompt_tokens + max_tokens > room:
-            raise ContextLengthError(
-                f"the prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                f"{num_prompt_tokens + max_tokens} tokens exceeds the {window} of {room} tokens: "
-                "shorten the prompt or lower max_tokens"
-            )
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=p.temperature if p.HasField("temperature") else 1.0,
-            top_p=p.top_p if p.HasField("top_p") else 1.0,
-            top_k=p.top_k,
-            seed=p.seed if p.HasField("seed") else None,
-            stop=tuple(p.stop),
-            stop_token_ids=tuple(p.stop_token_ids),
-            ignore_eos=p.ignore_eos,
-            logprobs=p.logprobs if p.HasField("logprobs") else None,
-        )
+                f"{e}; the {window} holds {room} tokens (prompt and output together): "
+                "shorten the prompt"
+            ) from e
+        return engine, ids, _sampling_params(request.sampling, len(ids), room, window)
 
     def _response(self, request_id: str, out: RequestOutput, engine: AsyncEngine):
         response = pb.GenerateResponse(
@@ -178,18 +163,15 @@ class InferenceService(pb_grpc.InferenceServicer):
             ),
             model=self.model_name,
         )
-        decode = engine.tokenizer.decode
+        token_text = engine.tokenizer.token_text  # a table lookup: no decoding on the event loop
         for token_id, logprob, top in out.logprobs or ():
             response.logprobs.append(
                 pb.TokenLogprob(
                     token_id=token_id,
-                    token=decode([token_id], skip_special_tokens=False),
+                    token=token_text(token_id),
                     logprob=logprob,
                     top=[
-                        pb.TopLogprob(
-                            token_id=t, token=decode([t], skip_special_tokens=False), logprob=lp
-                        )
-                        for t, lp in top
+                        pb.TopLogprob(token_id=t, token=token_text(t), logprob=lp) for t, lp in top
                     ],
                 )
             )
@@ -263,21 +245,31 @@ class InferenceService(pb_grpc.InferenceServicer):
 
 
 class Rejection(UserError):
-    """A request this worker will not run, with the gRPC status and error tags it gets."""
+    """A request this worker will not run (or no longer can), with the gRPC status, the status
+    label of meridian_requests_total and the error tags it gets."""
 
     def __init__(
-        self, grpc_code: grpc.StatusCode, status: str, message: str, code: str = "", param: str = ""
+        self,
+        grpc_code: grpc.StatusCode,
+        status: str,
+        message: str,
+        code: str = "",
+        param: str = "",
+        retry_after: int | None = None,  # seconds
     ):
         super().__init__(message)
         self.grpc_code, self.status, self.code, self.param = grpc_code, status, code, param
+        self.retry_after = retry_after
 
     @classmethod
     def invalid(cls, e: UserError) -> "Rejection":
         return cls(grpc.StatusCode.INVALID_ARGUMENT, metrics.INVALID, str(e))
 
     async def abort(self, context) -> None:
-        tags = (("meridian-error-code", self.code), ("meridian-error-param", self.param))
-        context.set_trailing_metadata([(k, v) for k, v in tags if v])
+        tags = {"meridian-error-code": self.code, "meridian-error-param": self.param}
+        if self.retry_after is not None:
+            tags["retry-after"] = str(self.retry_after)
+        context.set_trailing_metadata([(k, v) for k, v in tags.items() if v])
         await context.abort(self.grpc_code, str(self))
 
 
@@ -292,3 +284,65 @@ class ContextLengthError(Rejection):
             code="context_length_exceeded",
             param="prompt",
         )
+
+
+def _rejection(e: Exception) -> Rejection:
+    """How a Generate call that raised `e` ends (a failure of this worker's own code is logged with
+    its traceback)."""
+    if isinstance(e, Rejection):
+        return e
+    if isinstance(e, UserError):  # the engine's own checks, before anything is queued
+        return Rejection.invalid(e)
+    if isinstance(e, EngineOverloadedError):  # another worker, or this one shortly, may take it
+        return Rejection(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            metrics.REJECTED,
+            str(e),
+            code="overloaded",
+            retry_after=1,
+        )
+    if isinstance(e, EngineDeadError):  # another worker can still serve the request
+        return Rejection(grpc.StatusCode.UNAVAILABLE, metrics.ERROR, str(e))
+    if isinstance(e, RequestFailedError):  # logged by the engine
+        message = f"the engine failed on this request: {e}"
+    else:
+        log.exception("Generate failed")
+        message = f"this worker failed on the request: {type(e).__name__}: {e}"
+    return Rejection(grpc.StatusCode.INTERNAL, metrics.ERROR, message)
+
+
+def _room(engine: AsyncEngine) -> tuple[int, str]:
+    """Tokens one request can hold (prompt and output together), and what sets that bound: the
+    context window, or the KV pool when it is smaller."""
+    e = engine.engine
+    kv_tokens = engine.stats().kv_blocks_total * e.settings.block_size  # fixed at startup
+    room = min(e.max_model_len, kv_tokens)
+    return room, "context window" if room == e.max_model_len else "KV cache of this worker"
+
+
+def _sampling_params(p, num_prompt_tokens: int, room: int, window: str) -> SamplingParams:
+    """A pb.SamplingParams checked against the room the prompt leaves; unset max_tokens means
+    "whatever room that leaves"."""
+    if num_prompt_tokens >= room:
+        raise ContextLengthError(
+            f"the prompt has {num_prompt_tokens} tokens; the {window} holds {room} tokens "
+            "(prompt and output together): shorten the prompt"
+        )
+    max_tokens = p.max_tokens if p.HasField("max_tokens") else room - num_prompt_tokens
+    if max_tokens >= 1 and num_prompt_tokens + max_tokens > room:
+        raise ContextLengthError(
+            f"the prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+            f"{num_prompt_tokens + max_tokens} tokens exceeds the {window} of {room} tokens: "
+            "shorten the prompt or lower max_tokens"
+        )
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        top_k=p.top_k,
+        seed=p.seed if p.HasField("seed") else None,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+    )

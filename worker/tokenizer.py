@@ -4,6 +4,7 @@ Built with the `tokenizers` library: from a GGUF file's vocabulary, merges and t
 an HF folder's `tokenizer.json`. Chat templates are rendered with jinja2 the way Hugging Face does.
 """
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -25,6 +26,11 @@ _LLAMA3_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT}
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+class PromptTooLong(UserError):
+    """The prompt certainly has more tokens than allowed, as told from its length alone."""
 
 
 class Tokenizer:
@@ -166,6 +172,40 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.fast.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text on its own (special tokens spelled out); "" for an id past the
+        vocabulary (models may pad their embeddings)."""
+        texts = self._token_texts
+        return texts[token_id] if token_id < len(texts) else ""
+
+    @functools.cached_property
+    def _token_texts(self) -> tuple[str, ...]:
+        # Once for the whole vocabulary (~0.1 s for 50k tokens), so no reply decodes per token.
+        return tuple(
+            self.fast.decode([i], skip_special_tokens=False) for i in range(self.vocab_size)
+        )
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        """The most prompt bytes one token stands for: the longest token's UTF-8 text (a partial
+        character decodes to U+FFFD, which is longer than the bytes it replaces). None when no such
+        bound holds: a tokenizer that normalizes text first, is not byte-level, or has added
+        tokens that swallow the whitespace around them."""
+        byte_level = isinstance(self.fast.decoder, decoders.ByteLevel)
+        stripping = any(t.lstrip or t.rstrip for t in self.fast.get_added_tokens_decoder().values())
+        if self.fast.normalizer is not None or not byte_level or stripping:
+            return None
+        return max(len(text.encode()) for text in self._token_texts)
+
+    def check_length(self, text: str, limit: int) -> None:
+        """Raise PromptTooLong when `text` certainly encodes to more than `limit` tokens, from its
+        UTF-8 length alone (without tokenizing it)."""
+        if self.max_token_bytes is None or len(text) * 4 <= limit * self.max_token_bytes:
+            return  # 4: the most bytes a character takes in UTF-8
+        size = len(text.encode())
+        if size > limit * self.max_token_bytes:
+            raise PromptTooLong(f"the prompt ({size} bytes) has more than {limit} tokens")
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages`, rendered by the model's own template."""
         if not self.chat_template:
@@ -173,6 +213,23 @@ class Tokenizer:
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise UserError("each chat message needs a 'role' and a 'content'")
+        if any("name" in m for m in messages):
+            self._check_names_rendered(messages, add_generation_prompt)
+        return self._render(messages, add_generation_prompt)
+
+    def _check_names_rendered(self, messages: list[dict], add_generation_prompt: bool) -> None:
+        # A template that never writes a name would drop it silently: render each name as a probe
+        # (private-use characters no text has) and refuse the names it leaves out.
+        probes = [
+            {**m, "name": f"\ue000{i}\ue000"} if "name" in m else m for i, m in enumerate(messages)
+        ]
+        text = self._render(probes, add_generation_prompt)
+        if any("name" in m and m["name"] not in text for m in probes):
+            raise UserError(
+                "this model's chat template has no place for a message's name; leave it out"
+            )
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         special = {
             name: self.fast.id_to_token(i) if i is not None else ""
             for name, i in (
@@ -188,24 +245,39 @@ class Tokenizer:
             raise UserError(f"the model's chat template failed on these messages: {e}") from e
 
 
-def prompt_token_ids(tokenizer: Tokenizer, request) -> list[int]:
-    """The token ids of a pb.GenerateRequest's prompt: the same on a worker and on a gateway."""
+def prompt_token_ids(tokenizer: Tokenizer, request, limit: int | None = None) -> list[int]:
+    """The token ids of a pb.GenerateRequest's prompt: the same on a worker and on a gateway. With
+    a `limit`, a text (or rendered conversation) that certainly has more tokens raises
+    PromptTooLong before it is tokenized."""
     kind = request.WhichOneof("prompt")
-    if kind == "text":
-        ids = tokenizer.encode(request.text)
-    elif kind == "token_ids":
+    if kind == "token_ids":
         ids = list(request.token_ids.ids)
-    elif kind == "chat":
-        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-        if not messages:
-            raise UserError("the conversation has no messages")
-        # The template writes any BOS itself, as Hugging Face's apply_chat_template does.
-        ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    elif kind in ("text", "chat"):
+        text = request.text if kind == "text" else tokenizer.apply_chat_template(_messages(request))
+        if limit is not None:
+            tokenizer.check_length(text, limit)
+        # A chat template writes any BOS itself, as Hugging Face's apply_chat_template does.
+        ids = tokenizer.encode(text, add_special_tokens=kind == "text")
     else:
         raise UserError("the request has no prompt: set text, token_ids or chat")
     if not ids:
         raise UserError("the prompt is empty")
     return ids
+
+
+def _messages(request) -> list[dict]:
+    messages = []
+    for i, m in enumerate(request.chat.messages):
+        if m.role not in CHAT_ROLES:
+            raise UserError(
+                f"message {i} has role {m.role!r}; a role is one of {', '.join(CHAT_ROLES)}"
+            )
+        messages.append(
+            {"role": m.role, "content": m.content} | ({"name": m.name} if m.name else {})
+        )
+    if not messages:
+        raise UserError("the conversation has no messages")
+    return messages
 
 
 def _token_text(token) -> str | None:

@@ -2,8 +2,10 @@ import pytest
 import torch
 
 from meridian.errors import UserError
+from meridian.worker.engine.sequence import Sequence
 from meridian.worker.layers.sampler import sample
-from meridian.worker.sampling_params import SamplingParams
+from meridian.worker.model_runner import ModelRunner
+from meridian.worker.sampling_params import MAX_STOP, MAX_STOP_CHARS, SamplingParams
 
 V = 50
 
@@ -40,7 +42,7 @@ def test_top_k_1_equals_greedy():
 
 def test_top_k_only_samples_among_k_best():
     x = logits(1, seed=5).repeat(200, 1)
-    out = sample(x, [SamplingParams(temperature=5.0, top_k=3)] * 200, [gen(i) for i in range(200)])
+    out = sample(x, [SamplingParams(temperature=2.0, top_k=3)] * 200, [gen(i) for i in range(200)])
     allowed = set(x[0].topk(3).indices.tolist())
     assert set(out.token_ids) <= allowed and len(set(out.token_ids)) > 1
 
@@ -76,12 +78,39 @@ def test_logprobs_of_chosen_and_top_n():
     [
         {"max_tokens": 0},
         {"temperature": -1},
+        {"temperature": 2.01},
+        {"temperature": float("nan")},
+        {"temperature": float("inf")},
         {"top_p": 0},
+        {"top_p": float("nan")},
         {"top_k": -2},
+        {"seed": 2**64},
         {"stop": ("",)},
+        {"stop": ("x" * (MAX_STOP_CHARS + 1),)},
+        {"stop": tuple(str(i) for i in range(MAX_STOP + 1))},
         {"logprobs": 50},
     ],
 )
 def test_invalid_params_are_rejected(bad):
     with pytest.raises(UserError):
         SamplingParams(**bad)
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    x = logits(4)
+    p = SamplingParams(temperature=1e-300)
+    assert p.greedy
+    assert sample(x, [p] * 4, [gen(i) for i in range(4)]).token_ids == x.argmax(-1).tolist()
+
+
+def test_top_k_beyond_the_vocabulary_keeps_every_token():
+    x = logits(2)
+    wide = sample(x, [SamplingParams(top_k=2**32 - 1, seed=1)] * 2, [gen(1), gen(2)])
+    all_ = sample(x, [SamplingParams(seed=1)] * 2, [gen(1), gen(2)])
+    assert wide.token_ids == all_.token_ids
+
+
+def test_any_int64_seed_seeds_the_requests_generator():
+    for seed in (-(2**63), -1, 0, 2**63 - 1):  # what the wire's int64 carries
+        seq = Sequence("r", [1], SamplingParams(seed=seed), arrival=0)
+        assert ModelRunner._generator(seq).initial_seed() == seed % 2**64

@@ -136,3 +136,90 @@ def test_the_tokenizer_a_gateway_gets_over_grpc_gives_the_same_prompt_ids(tokeni
         assert prompt_token_ids(remote, request) == prompt_token_ids(tokenizer, request)
     request = pb.GenerateRequest(chat=chat)
     assert prompt_token_ids(remote, request) == prompt_token_ids(tokenizer, request)
+
+
+def test_token_text_is_each_ids_own_decode_over_the_whole_vocabulary(tokenizer):
+    ids = range(tokenizer.vocab_size)
+    assert [tokenizer.token_text(i) for i in ids] == [
+        tokenizer.decode([i], skip_special_tokens=False) for i in ids
+    ]
+    assert tokenizer.token_text(tokenizer.vocab_size) == ""  # a padded embedding row
+
+
+def test_no_token_stands_for_more_prompt_bytes_than_max_token_bytes(tokenizer):
+    longest = max(range(tokenizer.vocab_size), key=lambda i: len(tokenizer.token_text(i).encode()))
+    texts = [*corpus(), tokenizer.token_text(longest) * 7, " " * 5000, "<|im_start|>" * 50]
+    for text in texts:
+        assert len(tokenizer.encode(text)) * tokenizer.max_token_bytes >= len(text.encode())
+
+
+def test_a_prompt_too_long_by_its_bytes_is_refused_without_tokenizing(tokenizer, monkeypatch):
+    from meridian.api.v1 import pb
+    from meridian.worker.tokenizer import PromptTooLong, prompt_token_ids
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("tokenized")
+
+    monkeypatch.setattr(tokenizer, "encode", no_tokenizing)
+    text = "é" * (10 * tokenizer.max_token_bytes // 2 + 1)  # 2 bytes each
+    with pytest.raises(PromptTooLong, match=f"prompt \\({len(text) * 2} bytes\\) has more than 10"):
+        prompt_token_ids(tokenizer, pb.GenerateRequest(text=text), limit=10)
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content=text)])
+    with pytest.raises(PromptTooLong):
+        prompt_token_ids(tokenizer, pb.GenerateRequest(chat=chat), limit=10)
+
+
+def test_no_length_bound_is_claimed_for_a_tokenizer_that_normalizes(tokenizer):
+    from tokenizers import Tokenizer as FastTokenizer
+    from tokenizers import normalizers
+
+    from meridian.worker.tokenizer import Tokenizer
+
+    fast = FastTokenizer.from_str(tokenizer.fast.to_str())
+    fast.normalizer = normalizers.NFKC()  # "ﬁ" (3 bytes) becomes "fi" (2)
+    normalizing = Tokenizer(fast, [2], None, False, None)
+    assert normalizing.max_token_bytes is None
+    normalizing.check_length("ﬁ" * 10_000, 1)  # cannot tell: no error
+
+
+def test_chat_roles_are_system_user_and_assistant_only(tokenizer):
+    from meridian.api.v1 import pb
+    from meridian.worker.tokenizer import prompt_token_ids
+
+    for role in ("tool", "user<|im_end|>", ""):
+        chat = pb.Chat(messages=[pb.ChatMessage(role=role, content="hi")])
+        with pytest.raises(UserError, match="a role is one of system, user, assistant"):
+            prompt_token_ids(tokenizer, pb.GenerateRequest(chat=chat))
+
+
+NAMED_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}"
+    "{% if m.role == 'user' and m.name %} ({{ m.name }}){% endif %}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_message_name_goes_to_a_template_that_writes_it(tokenizer):
+    from meridian.api.v1 import pb
+    from meridian.worker.tokenizer import Tokenizer, prompt_token_ids
+
+    named = Tokenizer(tokenizer.fast, [2], None, False, NAMED_TEMPLATE)
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="Hi", name="ada")])
+    ids = prompt_token_ids(named, pb.GenerateRequest(chat=chat))
+    assert named.decode(ids, skip_special_tokens=False).startswith("<|im_start|>user (ada)")
+
+
+@pytest.mark.parametrize("template", ["bundled", "named"])
+def test_a_message_name_the_template_would_drop_is_refused(tokenizer, template):
+    from meridian.api.v1 import pb
+    from meridian.worker.tokenizer import Tokenizer, prompt_token_ids
+
+    if template == "named":  # writes the user's name only
+        tokenizer = Tokenizer(tokenizer.fast, [2], None, False, NAMED_TEMPLATE)
+        message = pb.ChatMessage(role="system", content="Be brief.", name="rules")
+    else:
+        message = pb.ChatMessage(role="user", content="Hi", name="ada")
+    chat = pb.Chat(messages=[message])
+    with pytest.raises(UserError, match="chat template has no place for a message's name"):
+        prompt_token_ids(tokenizer, pb.GenerateRequest(chat=chat))

@@ -1,5 +1,10 @@
 """The engine behind an asyncio server: a background thread steps while work exists and sleeps
-(without spinning) when there is none; each request is an async iterator of output deltas."""
+(without spinning) when there is none; each request is an async iterator of output deltas.
+
+The queue is bounded: a request that would wait behind more than `max_waiting` others (beyond what
+the running batch has room for) is refused. The thread records when its current step started
+(`step_started`), so that a watchdog can tell a stalled engine from an idle one.
+"""
 
 import asyncio
 import logging
@@ -18,6 +23,14 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed; no request can be served by this process any more."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """The engine's queue is full; the request may be retried later or elsewhere."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed on this request alone; it has ended, and the others go on."""
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -28,7 +41,10 @@ class AsyncEngine:
         self._prefix_hashes = tuple(engine.block_manager.cached_block_hashes())
         self._prefix_hashes_at = time.monotonic()
         self._stopping = False
+        self._adds_in_flight = 0  # "add" commands sent and not yet applied
+        self._adds_lock = threading.Lock()
         self.error: BaseException | None = None
+        self.step_started: float | None = None  # time.monotonic(); None while idle
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -54,16 +70,26 @@ class AsyncEngine:
         prompt: str | list[int],
         params: SamplingParams,
         priority: int = 0,
+        deadline: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its deltas until it finishes. Bad input raises UserError
-        before anything is queued. Leaving the iterator early aborts the request."""
+        """Queue a request and yield its deltas until it finishes. Bad input raises UserError and
+        a full queue EngineOverloadedError, before anything is queued. A failure of the engine on
+        this request alone raises RequestFailedError; of the whole engine, EngineDeadError. Leaving
+        the iterator early, or `deadline` (time.monotonic()) passing, aborts the request."""
         if self.error is not None:
             raise EngineDeadError(f"engine failed: {self.error}")
-        seq = self.engine.make_sequence(request_id, prompt, params, priority)
+        seq = self.engine.make_sequence(request_id, prompt, params, priority, deadline)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.backlog() >= self.engine.settings.max_waiting:
+            raise EngineOverloadedError(
+                f"this worker's queue is full ({self.engine.settings.max_waiting} requests wait "
+                "beyond its running batch); retry shortly"
+            )
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        with self._adds_lock:
+            self._adds_in_flight += 1
         self._send(("add", seq))
         finished = False
         try:
@@ -72,11 +98,20 @@ class AsyncEngine:
                 if isinstance(out, BaseException):
                     raise EngineDeadError(f"engine failed: {out}") from out
                 finished = out.finished
+                if out.finish_reason == "error":
+                    raise RequestFailedError(out.error)
                 yield out
         finally:
             self._streams.pop(request_id, None)
             if not finished:
                 self._send(("abort", request_id))
+
+    def backlog(self) -> int:
+        """Requests that must wait for a running one to finish: those queued in the engine or on
+        their way to it, less the running batch's free room (safe from any thread)."""
+        scheduler = self.engine.scheduler  # len() of its lists is safe from any thread
+        room = max(0, self.engine.settings.max_num_seqs - len(scheduler.running))
+        return len(scheduler.waiting) + self._adds_in_flight - room
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with a finish_reason "abort" output."""
@@ -97,11 +132,13 @@ class AsyncEngine:
                 if not self.engine.has_unfinished() and self._commands.empty():
                     self._wake.wait()
                     self._wake.clear()
+                self.step_started = time.monotonic()
                 self._apply_commands()
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
                 self._stats = self.engine.stats()
                 self._publish_prefix_hashes()
+                self.step_started = None
         except BaseException as e:
             log.exception("engine loop failed")
             self.error = e
@@ -117,6 +154,8 @@ class AsyncEngine:
             if kind == "add":
                 if arg.request_id in self._streams:  # not cancelled while queued
                     self.engine.add_request(arg.request_id, arg)
+                with self._adds_lock:  # after adding: counted twice for a moment, never missed
+                    self._adds_in_flight -= 1
             else:
                 out = self.engine.abort(arg)
                 if out is not None:  # a caller still reading gets the end of its stream

@@ -41,6 +41,18 @@ class ScheduledBatch:
     def __bool__(self) -> bool:
         return bool(self.decodes or self.prefills)
 
+    def singles(self) -> list[tuple[Sequence, "ScheduledBatch"]]:
+        """Each sequence of the batch alone, with its share of the work."""
+        return [(s, ScheduledBatch(decodes=[s])) for s in self.decodes] + [
+            (s, ScheduledBatch(prefills=[(s, n)])) for s, n in self.prefills
+        ]
+
+    def without(self, seqs: set[Sequence]) -> "ScheduledBatch":
+        return ScheduledBatch(
+            [s for s in self.decodes if s not in seqs],
+            [(s, n) for s, n in self.prefills if s not in seqs],
+        )
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):

@@ -20,6 +20,7 @@ class Sequence:
         params: SamplingParams,
         arrival: int,
         priority: int = 0,
+        deadline: float | None = None,
     ):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)  # prompt, then generated tokens
@@ -37,6 +38,7 @@ class Sequence:
         self.sampler_state = None  # the model runner's per-request RNG, kept across preemption
         self.arrival_time = time.monotonic()  # seconds; queue time = first_scheduled_time - this
         self.first_scheduled_time: float | None = None
+        self.deadline = deadline  # time.monotonic() after which nobody waits for the answer
 
     @property
     def num_tokens(self) -> int:
