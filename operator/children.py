@@ -271,6 +271,8 @@ def build_worker_container(
         "env": env,
         "ports": ports,
         # Loading weights can take many minutes; liveness starts counting only after startup passes.
+        # Health is NOT_SERVING while an engine step overruns --step-timeout: a minute of that more
+        # and the kubelet restarts the worker.
         "startupProbe": {**probe, "periodSeconds": 5, "failureThreshold": 360},
         "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 2},
         "livenessProbe": {**probe, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
