@@ -46,7 +46,7 @@ from meridian.gateway.streams import (
 )
 from meridian.gateway.workers import WorkerPool
 from meridian.metrics import LABELS
-from meridian.worker.tokenizer import prompt_token_ids
+from meridian.worker.tokenizer import PromptTooLong, prompt_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -303,15 +303,21 @@ class Dispatcher:
 
     async def _tokenize(self, model: str, request) -> list[int]:
         """The prompt's ids with `model`'s tokenizer; [] while it is unknown or when the prompt
-        is one the worker will refuse (it answers with the reason)."""
+        is one the worker will refuse (it answers with the reason). A prompt longer than any
+        context window of the model, as told from its byte length, is refused here."""
         tokenizer = self.pool.tokenizer(model)
         if tokenizer is None:
             return []
+        window = max((m.max_model_len for m in self.pool.models() if m.id == model), default=0)
+        limit = window - 1 if window else None  # room for at least one generated token
         try:
             if request.ByteSize() < 16_384:
-                return prompt_token_ids(tokenizer, request)
+                return prompt_token_ids(tokenizer, request, limit)
             # Long prompts: off the event loop (the tokenizer releases the GIL).
-            return await asyncio.to_thread(prompt_token_ids, tokenizer, request)
+            return await asyncio.to_thread(prompt_token_ids, tokenizer, request, limit)
+        except PromptTooLong as e:
+            message = f"{e}; the context window of {model!r} holds {window} tokens: shorten it"
+            raise GatewayError(400, message, "context_length_exceeded", "prompt") from None
         except UserError:
             return []
 

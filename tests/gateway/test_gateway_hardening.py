@@ -245,3 +245,40 @@ def test_the_grpc_front_end_ends_its_accounting_on_every_path(run):
             assert json.loads((await client.get(url(gw, "/health"))).text)["workers_serving"] == 1
 
     run(main())
+
+
+class TokenizingWorker(ScriptedWorker):
+    """Serves a byte-level tokenizer (one token per byte), so the gateway tokenizes prompts."""
+
+    async def Tokenizer(self, request, context):
+        from tokenizers import Tokenizer as FastTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
+
+        from meridian.worker.tokenizer import Tokenizer
+
+        alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+        fast = FastTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+        fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        fast.decoder = decoders.ByteLevel()
+        template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        return Tokenizer(fast, [0], None, False, template).to_pb(self.model)
+
+
+def test_a_prompt_longer_than_any_context_window_is_refused_by_the_gateway_untokenized(run):
+    async def main():
+        workers = [TokenizingWorker(), TokenizingWorker()]
+        async with running_gateway(workers) as gw, httpx.AsyncClient() as client:
+            while gw.pool.tokenizer(MODEL) is None:
+                await asyncio.sleep(0.05)
+            # The workers' window is 2048 tokens; a token here is at most 3 bytes of text.
+            long = {**CHAT, "messages": [{"role": "user", "content": "x" * 7_000}]}
+            r = await client.post(url(gw, "/v1/chat/completions"), json=long)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+            assert "2048" in error["message"]
+            assert not any(w.calls for w in workers)
+            short = {**CHAT, "messages": [{"role": "user", "content": "x" * 1_000}]}
+            assert (await client.post(url(gw, "/v1/chat/completions"), json=short)).is_success
+
+    run(main())
