@@ -33,8 +33,9 @@ from meridian.worker.arguments import add_engine_arguments, engine_flags, engine
 from meridian.worker.engine.llm_engine import EngineSettings
 from meridian.worker.loaders import resolve
 
-# Run as `python -S -c EXEC_WITH_PARENT_DEATH_SIGNAL PARENT_PID ARGV...`: the worker is asked to get
-# SIGTERM when this process dies, then becomes ARGV. (preexec_fn would do it without the extra
+# Run as `python -S -P -c EXEC_WITH_PARENT_DEATH_SIGNAL PARENT_PID ARGV...`: the worker is asked to
+# get SIGTERM when this process dies, then becomes ARGV. (-P: the current folder, which may be this
+# repository's root, must not shadow the standard library's `operator` with ours.) (preexec_fn would do it without the extra
 # interpreter, but is unsafe once threads run, and restarts happen while gRPC and asyncio run them.)
 EXEC_WITH_PARENT_DEATH_SIGNAL = """
 import ctypes, os, signal, sys
@@ -222,7 +223,8 @@ class LocalWorker:
     young_deaths: int = 0  # in a row (RestartPolicy)
 
     def start(self) -> None:
-        launcher = [sys.executable, "-S", "-c", EXEC_WITH_PARENT_DEATH_SIGNAL, str(os.getpid())]
+        launcher = [sys.executable, "-S", "-P", "-c", EXEC_WITH_PARENT_DEATH_SIGNAL]
+        launcher.append(str(os.getpid()))
         self.process = subprocess.Popen(
             [*launcher, *self.command], env=self.env, start_new_session=True
         )

@@ -139,3 +139,21 @@ def test_nothing_is_restarted_once_serve_is_stopping():
     assert asyncio.run(stop_soon()) is None
     worker.process.wait(10)
     assert worker.restarts == 0
+
+
+def test_a_worker_starts_from_the_repository_root_without_pythonsafepath(tmp_path):
+    # The repository's `operator/` folder must not shadow the standard library's `operator`.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    code = "import enum, signal; open(sys.argv[1], 'w').write('ok')".replace(
+        "sys", "__import__('sys')"
+    )
+    worker = LocalWorker("127.0.0.1:1", [sys.executable, "-c", code, str(tmp_path / "ran")], env, 0)
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cwd = os.getcwd()
+    os.chdir(repo_root)
+    try:
+        worker.start()
+    finally:
+        os.chdir(cwd)
+    assert worker.process.wait(30) == 0
+    assert (tmp_path / "ran").read_text() == "ok"
