@@ -35,8 +35,9 @@ from meridian.worker.loaders import resolve
 
 # Run as `python -S -P -c EXEC_WITH_PARENT_DEATH_SIGNAL PARENT_PID ARGV...`: the worker is asked to
 # get SIGTERM when this process dies, then becomes ARGV. (-P: the current folder, which may be this
-# repository's root, must not shadow the standard library's `operator` with ours.) (preexec_fn would do it without the extra
-# interpreter, but is unsafe once threads run, and restarts happen while gRPC and asyncio run them.)
+# repository's root, must not shadow the standard library's `operator` with ours.) preexec_fn would
+# do it without the extra interpreter, but is unsafe once threads run, and restarts happen while gRPC
+# and asyncio run them.
 EXEC_WITH_PARENT_DEATH_SIGNAL = """
 import ctypes, os, signal, sys
 try:
