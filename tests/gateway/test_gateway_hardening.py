@@ -139,11 +139,13 @@ def test_a_message_name_reaches_the_worker(run):
 def test_an_upstream_without_a_first_token_in_time_loses_the_request(run):
     async def main():
         silent, good = ScriptedWorker("silent"), ScriptedWorker()
-        gateway = running_gateway([silent, good], first_token_timeout=0.3)
+        gateway = running_gateway([silent, good], first_token_timeout=0.3, prefix_affinity=False)
         async with gateway as gw, httpx.AsyncClient() as client:
-            for _ in range(4):  # some land on the silent one first
-                r = await client.post(url(gw, "/v1/chat/completions"), json=CHAT)
-                assert r.is_success and r.headers["x-meridian-replica"] == good.address
+            good.running = 8  # the silent one looks idle: requests go there first
+            while gw.pool.upstreams[good.address].load.running != 8:
+                await gw.pool.changed()
+            r = await client.post(url(gw, "/v1/chat/completions"), json=CHAT)
+            assert r.is_success and r.headers["x-meridian-replica"] == good.address
             assert silent.calls and silent.cancelled_at is not None
             assert await in_flight(client, gw) == 0
 
