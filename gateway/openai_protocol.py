@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from meridian.api.v1 import pb
 from meridian.gateway.streams import FINISH_REASONS
+from meridian.worker.sampling_params import MAX_LOGPROBS, MAX_STOP, MAX_STOP_CHARS, MAX_TEMPERATURE
 
-MAX_STOP = 16
 MAX_SEED = 2**63 - 1
 UINT32 = 2**32  # the wire's bound for token counts and ids
 TokenId = Annotated[int, Field(ge=0, lt=UINT32)]
@@ -45,7 +45,7 @@ class ChatMessage(_Strict):
 class _Sampling(_Strict):
     model: str = Field(min_length=1, max_length=256)
     max_tokens: int | None = Field(None, ge=1, lt=UINT32)
-    temperature: float | None = Field(None, ge=0, le=2)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, lt=UINT32)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
@@ -63,8 +63,10 @@ class _Sampling(_Strict):
     @classmethod
     def _stop(cls, v):
         stops = [v] if isinstance(v, str) else v or []
-        if len(stops) > MAX_STOP or not all(stops):
-            raise ValueError(f"stop takes up to {MAX_STOP} non-empty strings")
+        if len(stops) > MAX_STOP or not all(0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise ValueError(
+                f"stop takes up to {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters"
+            )
         return v
 
     @field_validator("n")
@@ -104,7 +106,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, lt=UINT32)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
@@ -130,7 +132,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
     @field_validator("prompt")

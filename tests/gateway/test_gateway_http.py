@@ -30,6 +30,7 @@ def sse_events(text: str) -> list:
         ),
         (json.dumps({**CHAT, "temperature": "hot"}).encode(), 400, "temperature", "valid number"),
         (json.dumps({**CHAT, "messages": "hi"}).encode(), 400, "messages", "valid list"),
+        (json.dumps({**CHAT, "stop": "x" * 257}).encode(), 400, "stop", "1 to 256 characters"),
         (json.dumps({**CHAT, "functions": []}).encode(), 400, "functions", "unsupported parameter"),
         (json.dumps({**CHAT, "model": "gpt-4"}).encode(), 404, "model", "not served here"),
     ],
