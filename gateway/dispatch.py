@@ -14,6 +14,7 @@ import asyncio
 import logging
 import random
 import time
+from functools import partial
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -199,8 +200,7 @@ class Dispatcher:
             try:
                 if not isinstance(stream, UpstreamStream):
                     return stream, await collect(stream, observe)
-                lost = stream.lose
-                with self.pool.watch_down(stream.address, lambda lost=lost: lost("went down")):
+                with self.pool.watch_down(stream.address, partial(stream.lose, "went down")):
                     return stream, await collect(stream, observe)
             except GatewayError as e:
                 if not e.retryable or not isinstance(stream, UpstreamStream):

@@ -145,7 +145,7 @@ class UpstreamStream:
             if self.lost is None or asyncio.current_task().cancelling():
                 raise  # our own reader was cancelled (the client went away)
             message = f"the upstream {self.address} {self.lost}"
-            raise GatewayError(503, message, "upstream_lost", retryable=True) from None
+            raise GatewayError(503, message, "upstream_failed", retryable=True) from None
         if response is grpc.aio.EOF:
             self.upstream_seconds = time.monotonic() - self._sent
             return None
