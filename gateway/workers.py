@@ -3,10 +3,11 @@
 Each has one gRPC channel, kept current by its LoadReport stream (reopened with backoff whenever it
 breaks; one that cannot be reached is DOWN) and probed with gRPC health checks, whose round trips
 make its RTT. One that fails a probe (stopped, hung, or a stalled engine) counts as DOWN until a
-probe succeeds again, and the requests still waiting there for a first token are told to go
-elsewhere (see `watch_down`). Membership follows discovery: an address that disappears stops being routed to at
-once and its channel closes when its last request ends, so no request in flight fails because of
-it. A peer that reports this gateway's own region (DNS lists every gateway) is never routed to.
+probe succeeds again, and the requests still waiting there for a first token (or reading a whole
+answer) are told to go elsewhere (see `watch_down`). Membership follows discovery: an address that
+disappears stops being routed to at once and its channel closes when its last request ends, so no
+request in flight fails because of it. A peer that reports this gateway's own region (DNS lists
+every gateway) is never routed to.
 """
 
 import asyncio
